@@ -1,0 +1,89 @@
+"""KV cache over preallocated buffers, with the two operations speculative decoding needs: truncate and keep.
+
+Every layer holds keys/values of shape [batch, heads, capacity, head_dim]; `keys`/`values` are views of the first
+`length` slots. Layers may differ in length while a draft skips their attention; `truncate` brings them back.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class BufferLayer(DynamicLayer):
+    """One layer's KV entries in a buffer that grows by doubling; appends copy only the new entries."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._k = key_states.new_empty((*key_states.shape[:2], 256, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], 256, value_states.shape[-1]))
+        self.length = 0
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[2]:
+            grow = max(end, 2 * self._k.shape[2]) - self._k.shape[2]
+            self._k = torch.cat(
+                [self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2
+            )
+            self._v = torch.cat(
+                [self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2
+            )
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.truncate(self.get_seq_length() - abs(tokens_to_remove))
+
+    def truncate(self, length: int) -> None:
+        if self.is_initialized and length < self.length:
+            self.length = max(length, 0)
+            self._refresh()
+
+    @torch.inference_mode()
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Keep entries start+index (ascending) at start..start+len(index)-1; drop everything after."""
+        if not self.is_initialized:
+            return
+        src = start + index
+        self._k[:, :, start : start + len(index)] = self._k[:, :, src]
+        self._v[:, :, start : start + len(index)] = self._v[:, :, src]
+        self.length = start + len(index)
+        self._refresh()
+
+
+class SwiftCache(Cache):
+    """Cache for one sequence. `length` is layer 0's length (layer 0 is never skipped)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[BufferLayer() for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        """Drop every entry at index ≥ length (e.g. all a draft wrote)."""
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Compact the entries after `start` to those at start+index (the accepted path of a verified tree)."""
+        for layer in self.layers:
+            layer.keep(start, index)

@@ -1,0 +1,359 @@
+"""The generation engine: prefill, then rounds of draft (layer-skipped model) → verify (full model, one forward
+over the draft tree) → accept, with on-the-fly search of the skip set between rounds."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+
+from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, draft
+from swiftdecode.errors import UserError
+from swiftdecode.model import SwiftModel
+from swiftdecode.sampling import SamplingParams, choose
+from swiftdecode.search import LayerSearch, SearchConfig
+from swiftdecode.skip import SkipSet
+from swiftdecode.tree import Tree
+from swiftdecode.verification import verify
+
+METHODS = ("swift", "swift-paper", "uniform", "ar")
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    wall_s: float = 0.0
+    draft_rounds: int = 0
+    draft_steps: int = 0
+    accepted_draft_tokens: int = 0
+    round_tokens: int = 0
+    time_split: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
+    )
+    skip: dict[str, list[int]] = field(default_factory=lambda: {"attn": [], "mlp": []})
+    search: str = "off"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per draft round, bonus token included."""
+        return self.round_tokens / self.draft_rounds if self.draft_rounds else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per draft forward."""
+        return self.accepted_draft_tokens / self.draft_steps if self.draft_steps else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            tokens_per_s=self.tokens_per_s,
+            mean_accepted_tokens=self.mean_accepted_tokens,
+            acceptance_rate=self.acceptance_rate,
+            optimize_share=self.time_split["optimize"] / self.wall_s if self.wall_s > 0 else 0.0,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats
+
+
+@dataclass
+class StreamEvent:
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    draft: DraftConfig = DraftConfig()
+    search: SearchConfig | None = SearchConfig()  # None: keep the initial skip set
+    init: str = "cosine"  # initial skip set: "cosine" (prefill collinearity) or "uniform"
+    init_ratio: float = 0.3  # fraction of inner sublayers skipped initially
+    window: int = 32  # matchness window (tokens)
+
+
+def preset(method: str) -> EngineConfig:
+    """Configuration of each method: ours, SWIFT's published one, a static uniform draft."""
+    if method == "swift":
+        return EngineConfig()
+    if method == "swift-paper":
+        paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
+        return EngineConfig(draft=DraftConfig(max_nodes=64), search=paper, init="uniform", init_ratio=0.45)
+    if method == "uniform":
+        return EngineConfig(search=None, init="uniform", init_ratio=0.5)
+    raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+class Generator:
+    """Lossless generation with one model. Not thread-safe; search state carries across calls."""
+
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, method: str = "swift", config: EngineConfig | None = None
+    ):
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.method, self.tokenizer = method, tokenizer
+        self.sm = SwiftModel(model)
+        self.cfg = config or (preset(method) if method != "ar" else None)
+        self.eos = _eos_ids(model, tokenizer)
+        self.search: LayerSearch | None = None
+        self.skip: SkipSet | None = None
+        if self.cfg is not None and self.cfg.init == "uniform":
+            self._start_search(SkipSet.uniform(self.sm.n_layers, self.cfg.init_ratio))
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("this model's tokenizer has no chat template")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+        """Generate to completion; see `stream` for the parameters."""
+        for event in self.stream(prompt, **kwargs):
+            if event.result is not None:
+                return event.result
+        raise AssertionError("stream ended without a result")
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamEvent]:
+        """Validate, then return an iterator of text pieces; the last event carries the GenerationResult."""
+        params = _check_params(max_new_tokens, temperature, top_p, top_k, stop)
+        ids = self._encode(prompt, chat)
+        limit = self.sm.max_length - len(ids)
+        if limit <= 0:
+            raise UserError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens"
+            )
+        gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        return self._run(ids, min(max_new_tokens, limit), params, gen, stop or [])
+
+    # ---- decoding loop ----------------------------------------------------------------------------------
+    def _run(self, ids, budget, params, gen, stop) -> Iterator[StreamEvent]:
+        stats = GenerationStats(prompt_tokens=len(ids), search=self.search.state if self.search else "off")
+        start = time.perf_counter()
+        self.sm.reset()
+        t = time.perf_counter()
+        first = choose(self._prefill(ids)[-1], params, gen)
+        stats.time_split["prefill"] = time.perf_counter() - t
+        ctx, new, emitted, finish = list(ids), [], "", "length"
+        pending = [first]
+        while True:
+            for tok in pending:
+                if tok in self.eos:
+                    finish = "stop"
+                    break
+                new.append(tok)
+                ctx.append(tok)
+                if len(new) >= budget:
+                    break
+            text = self._decode(new)
+            cut = _find_stop(text, stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                new = _tokens_for(self._decode, new, cut)
+            done = finish == "stop" or len(new) >= budget
+            if done:
+                stats.new_tokens, stats.wall_s = len(new), time.perf_counter() - start
+                if self.skip is not None:
+                    stats.skip, stats.search = (
+                        self.skip.to_dict(),
+                        self.search.state if self.search else "off",
+                    )
+                result = GenerationResult(text, list(new), len(ids), finish, stats)
+                yield StreamEvent(text[len(emitted) :], [], result)
+                return
+            if text.startswith(emitted) and not text.endswith("\ufffd"):
+                yield StreamEvent(text[len(emitted) :], pending)
+                emitted = text
+            pending = self._round(ctx, budget - len(new), params, gen, stats)
+
+    def _round(self, ctx: list[int], room: int, params, gen, stats: GenerationStats) -> list[int]:
+        """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
+        sm, P = self.sm, self.sm.cache.length
+        if self.skip is None or room <= 1:
+            t = time.perf_counter()
+            logits = sm.logits(sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
+            stats.time_split["verify"] += time.perf_counter() - t
+            return [choose(logits[0], params, gen)]
+        t0 = time.perf_counter()
+        tree = Tree(ctx[-1])
+        cfg = self.cfg.draft if params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
+        steps = draft(sm, tree, P, self.skip, cfg, room - 1)
+        sm.cache.truncate(P)
+        t1 = time.perf_counter()
+        logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
+        path, bonus = verify(tree, logits, params, gen)
+        sm.cache.keep(P, torch.tensor([0] + [i + 1 for i in path]))
+        t2 = time.perf_counter()
+        stats.time_split["draft"] += t1 - t0
+        stats.time_split["verify"] += t2 - t1
+        stats.draft_rounds += 1
+        stats.draft_steps += steps
+        stats.accepted_draft_tokens += len(path)
+        stats.round_tokens += len(path) + 1
+        out = [tree.tokens[i] for i in path] + [bonus]
+        if self.search is not None:
+            self.search.observe_acceptance(len(path) + 1)
+            if self.search.searching:
+                self._search_step(ctx + out[:-1], out[-1])
+                stats.time_split["optimize"] += time.perf_counter() - t2
+        return out
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        """Full forward of the prompt; picks the initial skip set on first use. Returns logits [len(ids), V]."""
+        if self.cfg is not None and self.search is None and self.cfg.init == "cosine":
+            with _collinearity(self.sm) as cos:
+                hidden = self.sm.prefill(ids)
+            n = round(self.cfg.init_ratio * (self.sm.n_layers - 2))
+            layers = frozenset(int(i) + 1 for i in np.argsort(-cos()[1:-1])[:n])
+            self._start_search(SkipSet(layers, layers))
+        else:
+            hidden = self.sm.prefill(ids)
+        return self.sm.logits(hidden)
+
+    # ---- layer-set search -------------------------------------------------------------------------------
+    def _start_search(self, init: SkipSet) -> None:
+        self.skip = init
+        if self.cfg.search is not None:
+            self.search = LayerSearch(self.sm.n_layers, _sublayer_costs(self.sm), self.cfg.search, init)
+
+    def _search_step(self, ctx: list[int], pending: int) -> None:
+        """Score one candidate skip set on the live context and adopt the best set found so far."""
+        if self.sm.cache.length < 2:
+            return
+        candidate = self.search.propose()
+        self.search.record(candidate, self.matchness(candidate, ctx + [pending]))
+        self.skip = self.search.best
+
+    def matchness(self, skip: SkipSet, ctx: list[int]) -> float:
+        """Fraction of the last `window` cached positions where the skip model's top-1 equals the real next token.
+
+        One forward over the window, appended after the cache and rolled back: query i sits at its real position
+        s+i and sees the full model's cached entries before it (what a depth-1 draft sees) and itself.
+        ctx holds the cached tokens followed by the pending one (len(ctx) == cache length + 1).
+        """
+        P = self.sm.cache.length
+        s = max(P - self.cfg.window, 0)
+        pos = torch.arange(s, P)
+        hidden = self.sm.forward(ctx[s:P], pos, torch.eye(P - s, dtype=torch.bool), visible=pos, skip=skip)
+        self.sm.cache.truncate(P)
+        logits, ids = self.sm.draft_logits(hidden)
+        pred = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+        return float((pred.cpu() == torch.tensor(ctx[s + 1 : P + 1])).float().mean())
+
+    # ---- text -------------------------------------------------------------------------------------------
+    def _encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise UserError("prompt is empty")
+            if chat:
+                return self.chat_ids([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise UserError("prompt is empty")
+        vocab = self.sm.lm_head.weight.shape[0]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise UserError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_params(max_new_tokens, temperature, top_p, top_k, stop) -> SamplingParams:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+        raise UserError(f"temperature must be a number ≥ 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise UserError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise UserError(f"top_k must be an integer ≥ 0, got {top_k!r}")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise UserError("stop must be a list of non-empty strings")
+    return SamplingParams(float(temperature), float(top_p), top_k)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(ids if isinstance(ids, list) else [ids])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
+
+
+def _find_stop(text: str, stop: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:
+    """Shortest prefix of ids whose text reaches past `chars` characters (the stop string's first character)."""
+    n = 1
+    while n < len(ids) and len(decode(ids[:n])) <= chars:
+        n += 1
+    return ids[:n]
+
+
+def _sublayer_costs(sm: SwiftModel) -> np.ndarray:
+    """[fixed, attn_1..attn_{L-2}, mlp_1..mlp_{L-2}]: each part's share of a full forward's parameter bytes."""
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    layers = sm.skipper.layers
+    head = sm.lm_head.weight.shape[0] * sm.lm_head.weight.shape[1]
+    draft_head = head if sm.draft_weight is None else sm.draft_weight.numel()
+    attn = [count(m.self_attn) for m in layers]
+    mlp = [count(m.mlp) for m in layers]
+    total = sum(attn) + sum(mlp) + head
+    fixed = attn[0] + mlp[0] + attn[-1] + mlp[-1] + draft_head
+    return np.array([fixed, *attn[1:-1], *mlp[1:-1]], dtype=np.float64) / total
+
+
+class _collinearity:
+    """Context manager hooking every decoder layer; yields a function giving cos(layer input, layer output) [L]."""
+
+    def __init__(self, sm: SwiftModel):
+        self.layers, self.cos, self.handles = sm.skipper.layers, {}, []
+
+    def __enter__(self):
+        def hook(i):
+            def fn(module, args, kwargs, output):
+                h_in = kwargs.get("hidden_states", args[0] if args else None)
+                h_out = output[0] if isinstance(output, tuple) else output
+                self.cos[i] = float(torch.cosine_similarity(h_in[0, -64:], h_out[0, -64:], dim=-1).mean())
+
+            return fn
+
+        self.handles = [m.register_forward_hook(hook(i), with_kwargs=True) for i, m in enumerate(self.layers)]
+        return lambda: np.array([self.cos.get(i, 0.0) for i in range(len(self.layers))])
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,93 @@
+"""A Hugging Face causal LM driven token by token on one SwiftCache: full or layer-skipped forwards under
+explicit (tree) attention masks, and a full or vocabulary-subset output head."""
+
+from __future__ import annotations
+
+import torch
+
+from swiftdecode.cache import SwiftCache
+from swiftdecode.skip import LayerSkipper, SkipSet
+from swiftdecode.tree import attention_mask
+
+
+class SwiftModel:
+    """Holds the model, its sublayer skipper and the cache of the sequence being decoded (batch size 1)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model.eval()
+        self.config = model.config.get_text_config()
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.skipper = LayerSkipper(model)
+        self.n_layers = len(self.skipper.layers)
+        self.dtype = self.lm_head.weight.dtype
+        self.device = self.lm_head.weight.device
+        types = set(getattr(self.config, "layer_types", None) or [])
+        self.window = getattr(self.config, "sliding_window", None) if "sliding_attention" in types else None
+        self.layer_types = types if self.window else None
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.max_length = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.draft_ids: torch.Tensor | None = None
+        self.draft_weight: torch.Tensor | None = None
+        self.cache = SwiftCache(self.n_layers)
+
+    def reset(self) -> None:
+        self.cache = SwiftCache(self.n_layers)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: list[int],
+        positions: torch.Tensor,
+        new_allowed: torch.Tensor,
+        visible: torch.Tensor | int | None = None,
+        skip: SkipSet | None = None,
+    ) -> torch.Tensor:
+        """Run q new tokens (positions [q], mutual visibility [q, q]) on top of the cache; append their KV.
+
+        Cached entries below `visible` (default: all) are visible to each query. Returns hidden states [q, H].
+        """
+        prefix = self.cache.length
+        vis = prefix if visible is None else visible
+        mask = attention_mask(positions, prefix, vis, new_allowed, self.dtype)
+        if self.layer_types:
+            sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
+            mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
+        with self.skipper.use(skip):
+            out = self.decoder(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask=mask,
+                cache=self.cache,
+                use_cache=True,
+            )
+        return out.last_hidden_state[0]
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Causal forward of `ids` after the cache; returns hidden states [len(ids), H]."""
+        start = self.cache.length
+        causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril_()
+        return self.forward(ids, torch.arange(start, start + len(ids)), causal)
+
+    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [q, V] in float32."""
+        return self._cap(self.lm_head(hidden)).float()
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [q, V'] over the draft vocabulary and the ids of its columns (None = full vocabulary)."""
+        if self.draft_weight is None:
+            return self.logits(hidden), None
+        return self._cap(hidden @ self.draft_weight.T).float(), self.draft_ids
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Score drafts over these token ids only (verification always uses the full vocabulary)."""
+        if ids is None:
+            self.draft_ids = self.draft_weight = None
+            return
+        self.draft_ids = ids.to(self.device)
+        self.draft_weight = self.lm_head.weight.index_select(0, self.draft_ids)

@@ -1,0 +1,129 @@
+"""On-the-fly layer-set optimisation: random local moves plus Bayesian optimisation over skip sets.
+
+A skip set is scored by its matchness α (see `Generator.matchness`) on a window of the live context. SWIFT
+maximises α at a fixed skip ratio; by default we maximise the expected speedup of drafting with it instead,
+which lets the number of skipped sublayers float (small models are far less redundant than 13B-70B ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from swiftdecode.skip import SkipSet
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    beta: int = 25  # every beta-th candidate comes from a Bayesian-optimisation (GP-UCB) step
+    target_matchness: float = 0.93  # stop once the best set matches this often
+    patience: int = 60  # ... or after this many candidates without improvement
+    max_evals: int = 400  # ... or after this many candidates
+    fixed_ratio: float | None = None  # SWIFT's fixed skip ratio (0.45); None = free size, maximise speedup
+    kappa: float = 2.0  # UCB exploration weight
+    restart_drop: float = 0.7  # search again when acceptance falls below this fraction of its converged level
+    verify_cost: float = 1.15  # cost of a verification forward relative to a 1-token full forward
+    max_depth: int = 8
+
+
+def expected_speedup(alpha: float, cost: float, verify_cost: float, max_depth: int) -> float:
+    """Best over chain depths γ of E[tokens per round] / (γ·draft cost + verify cost), in 1-token forwards."""
+    alpha = min(alpha, 0.999)
+    return max(
+        (1 - alpha ** (g + 1)) / (1 - alpha) / (g * cost + verify_cost) for g in range(1, max_depth + 1)
+    )
+
+
+class LayerSearch:
+    """Search state that lives across requests: candidates tried, the best set, and whether to keep searching."""
+
+    def __init__(self, n_layers: int, costs: np.ndarray, cfg: SearchConfig, init: SkipSet, seed: int = 0):
+        self.n_layers, self.costs, self.cfg = n_layers, costs, cfg
+        self.rng = np.random.default_rng(seed)
+        self.best, self.best_score, self.best_alpha = init, -1.0, 0.0
+        self.X: list[np.ndarray] = []
+        self.y: list[float] = []
+        self.evals = self.stale = 0
+        self.searching = True
+        self.accept_level: float | None = None
+        self.accept_ema: float | None = None
+
+    @property
+    def state(self) -> str:
+        return "searching" if self.searching else "converged"
+
+    def cost(self, skip: SkipSet) -> float:
+        """Draft forward cost relative to a full forward, from the parameter bytes each sublayer reads."""
+        return float(self.costs[0] + (1 - skip.to_vector(self.n_layers)) @ self.costs[1:])
+
+    def score(self, skip: SkipSet, alpha: float) -> float:
+        if self.cfg.fixed_ratio is not None:
+            return alpha
+        return expected_speedup(alpha, self.cost(skip), self.cfg.verify_cost, self.cfg.max_depth)
+
+    def propose(self) -> SkipSet:
+        """Next candidate: the initial set first, then a GP-UCB pick every beta-th time, else a local move."""
+        if self.evals == 0:
+            return self.best
+        if self.evals % self.cfg.beta == 0 and len(self.y) >= 8:
+            return SkipSet.from_vector(self._ucb_pick())
+        return SkipSet.from_vector(self._local_move(self.best.to_vector(self.n_layers)))
+
+    def record(self, skip: SkipSet, alpha: float) -> None:
+        """Register candidate `skip` with matchness `alpha`; update the best set and the stopping state."""
+        s = self.score(skip, alpha)
+        self.X.append(skip.to_vector(self.n_layers))
+        self.y.append(s)
+        self.evals += 1
+        if skip == self.best:  # (re-)measured on a new window: average out the noise
+            first = self.best_score < 0
+            self.best_score = s if first else 0.5 * (self.best_score + s)
+            self.best_alpha = alpha if first else 0.5 * (self.best_alpha + alpha)
+        elif s > self.best_score * 1.005:
+            self.best, self.best_score, self.best_alpha, self.stale = skip, s, alpha, 0
+            return
+        self.stale += 1
+        done = self.best_alpha >= self.cfg.target_matchness or self.stale >= self.cfg.patience
+        if done or self.evals >= self.cfg.max_evals:
+            self.searching, self.accept_level, self.accept_ema = False, None, None
+
+    def observe_acceptance(self, accepted: float) -> None:
+        """Track accepted tokens per round after convergence; a clear drop (a new task) restarts the search."""
+        if self.searching:
+            return
+        self.accept_ema = accepted if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * accepted
+        if self.accept_level is None or self.accept_ema > self.accept_level:
+            self.accept_level = self.accept_ema
+        elif self.accept_ema < self.cfg.restart_drop * self.accept_level:
+            self.searching, self.stale, self.evals = True, 0, 1
+            self.X, self.y, self.best_score = [], [], -1.0
+
+    def _local_move(self, v: np.ndarray) -> np.ndarray:
+        """Flip 1-3 bits (SWIFT-style fixed ratio: swap a skipped and a kept sublayer instead)."""
+        v = v.copy()
+        on, off = np.flatnonzero(v > 0.5), np.flatnonzero(v < 0.5)
+        if self.cfg.fixed_ratio is not None:
+            if self.evals < self.cfg.beta:  # explore: fresh random sets of the fixed size
+                v[:] = 0
+                v[self.rng.choice(len(v), size=len(on), replace=False)] = 1
+            elif len(on) and len(off):
+                v[self.rng.choice(on)], v[self.rng.choice(off)] = 0, 1
+            return v
+        for i in self.rng.choice(len(v), size=int(self.rng.integers(1, 4)), replace=False):
+            v[i] = 1 - v[i]
+        return v
+
+    def _ucb_pick(self) -> np.ndarray:
+        """Fit a GP to (set, score) pairs and return the pool candidate with the highest upper confidence bound."""
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+
+        X, y = np.array(self.X), np.array(self.y)
+        gp = GaussianProcessRegressor(
+            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3), normalize_y=True, random_state=0
+        ).fit(X, y)
+        seeds = X[np.argsort(y)[-5:]]
+        pool = np.array([self._local_move(seeds[i % len(seeds)]) for i in range(256)])
+        mean, std = gp.predict(pool, return_std=True)
+        return pool[int(np.argmax(mean + self.cfg.kappa * std))]

@@ -1,0 +1,78 @@
+"""Draft token trees and the attention masks that let one forward score a whole tree on top of the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Tree:
+    """Draft tokens below a root (the last accepted token, not yet in the cache).
+
+    Node i has token `tokens[i]`, parent `parents[i]` (−1 = root) and depth `depths[i]` ≥ 1; parents precede
+    children. `children(−1)` lists the root's children in candidate order (best first).
+    """
+
+    root: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int) -> int:
+        """Append a child of `parent` unless that token is already one; return the node index."""
+        for i in self.children(parent):
+            if self.tokens[i] == token:
+                return i
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def input_ids(self) -> list[int]:
+        """Root then nodes: the tokens of the verification forward (row 0 = root, row i+1 = node i)."""
+        return [self.root, *self.tokens]
+
+    def positions(self, start: int) -> torch.Tensor:
+        """Position ids [n+1] of root and nodes when the root sits at position `start`."""
+        return torch.tensor([start, *(start + d for d in self.depths)])
+
+    def ancestry(self) -> torch.Tensor:
+        """Bool [n+1, n+1]: entry (i, j) is True iff row j is row i or an ancestor of it (row 0 = root)."""
+        n = len(self.tokens) + 1
+        anc = torch.eye(n, dtype=torch.bool)
+        anc[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                anc[i + 1] |= anc[p + 1]
+        return anc
+
+
+def attention_mask(
+    q_pos: torch.Tensor,
+    prefix_len: int,
+    visible: torch.Tensor | int,
+    new_allowed: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Additive mask [1, 1, q, prefix_len + q] for q new tokens appended after `prefix_len` cached entries.
+
+    Query i sees cached entries j < visible[i] (cache index = position there) and new token j where
+    new_allowed[i, j]; with a sliding `window`, only keys less than `window` positions back.
+    """
+    q = len(q_pos)
+    kv_pos = torch.cat([torch.arange(prefix_len), q_pos])
+    vis = torch.as_tensor(visible).reshape(-1, 1)
+    allowed = torch.cat([(torch.arange(prefix_len)[None, :] < vis).expand(q, -1), new_allowed], dim=1)
+    if window is not None:
+        allowed &= (q_pos[:, None] - kv_pos[None, :]) < window
+    mask = torch.zeros((1, 1, q, prefix_len + q), dtype=dtype)
+    return mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
