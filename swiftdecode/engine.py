@@ -14,7 +14,7 @@ import torch
 from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, draft
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
-from swiftdecode.sampling import SamplingParams, choose
+from swiftdecode.sampling import Sampler, SamplingParams
 from swiftdecode.search import LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import Tree
@@ -145,23 +145,23 @@ class Generator:
         chat: bool = False,
     ) -> Iterator[StreamEvent]:
         """Validate, then return an iterator of text pieces; the last event carries the GenerationResult."""
-        params = _check_params(max_new_tokens, temperature, top_p, top_k, stop)
+        params = check_params(max_new_tokens, temperature, top_p, top_k, stop)
         ids = self._encode(prompt, chat)
         limit = self.sm.max_length - len(ids)
         if limit <= 0:
             raise UserError(
                 f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens"
             )
-        gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
-        return self._run(ids, min(max_new_tokens, limit), params, gen, stop or [])
+        sampler = Sampler(params, seed if seed is not None else int(torch.seed() % 2**63))
+        return self._run(ids, min(max_new_tokens, limit), sampler, stop or [])
 
     # ---- decoding loop ----------------------------------------------------------------------------------
-    def _run(self, ids, budget, params, gen, stop) -> Iterator[StreamEvent]:
+    def _run(self, ids, budget, sampler: Sampler, stop) -> Iterator[StreamEvent]:
         stats = GenerationStats(prompt_tokens=len(ids), search=self.search.state if self.search else "off")
         start = time.perf_counter()
         self.sm.reset()
         t = time.perf_counter()
-        first = choose(self._prefill(ids)[-1], params, gen)
+        first = sampler.pick(self._prefill(ids)[-1], len(ids))
         stats.time_split["prefill"] = time.perf_counter() - t
         ctx, new, emitted, finish = list(ids), [], "", "length"
         pending = [first]
@@ -193,24 +193,24 @@ class Generator:
             if text.startswith(emitted) and not text.endswith("\ufffd"):
                 yield StreamEvent(text[len(emitted) :], pending)
                 emitted = text
-            pending = self._round(ctx, budget - len(new), params, gen, stats)
+            pending = self._round(ctx, budget - len(new), sampler, stats)
 
-    def _round(self, ctx: list[int], room: int, params, gen, stats: GenerationStats) -> list[int]:
+    def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
         """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
         sm, P = self.sm, self.sm.cache.length
         if self.skip is None or room <= 1:
             t = time.perf_counter()
             logits = sm.logits(sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
             stats.time_split["verify"] += time.perf_counter() - t
-            return [choose(logits[0], params, gen)]
+            return [sampler.pick(logits[0], P + 1)]
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
-        cfg = self.cfg.draft if params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
+        cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
         steps = draft(sm, tree, P, self.skip, cfg, room - 1)
         sm.cache.truncate(P)
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
-        path, bonus = verify(tree, logits, params, gen)
+        path, bonus = verify(tree, logits, sampler, P)
         sm.cache.keep(P, torch.tensor([0] + [i + 1 for i in path]))
         t2 = time.perf_counter()
         stats.time_split["draft"] += t1 - t0
@@ -289,7 +289,7 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _check_params(max_new_tokens, temperature, top_p, top_k, stop) -> SamplingParams:
+def check_params(max_new_tokens, temperature, top_p, top_k, stop) -> SamplingParams:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:

@@ -1,4 +1,11 @@
-"""Target distributions: temperature, top-k and top-p applied to logits (the same for plain and speculative)."""
+"""The model's token choice at each position: greedy argmax, or a seeded sample of the processed distribution.
+
+Sampling uses an exponential race: token = argmax_i p_i / E_i with E_i ~ Exp(1), which is distributed exactly
+as p. The noise E is drawn per *position* from the seeded stream, so the token chosen at a position depends only
+on the model's distribution there and the seed — not on how many draft candidates were checked. Speculative
+verification is then "follow the children that equal the chosen token", lossless like greedy, and a seed gives
+the same text with any method.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +40,25 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token from logits [V]: argmax when greedy, else a sample of the target distribution."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+class Sampler:
+    """Chooses the token at absolute position t from that position's logits [V]."""
+
+    def __init__(self, params: SamplingParams, seed: int):
+        self.params = params
+        self.generator = torch.Generator().manual_seed(seed)
+        self.noise: dict[int, torch.Tensor] = {}
+        self.drawn = -1  # noise exists for positions ≤ drawn
+
+    def pick(self, logits: torch.Tensor, position: int) -> int:
+        if self.params.greedy:
+            return int(logits.argmax())
+        return int((probabilities(logits, self.params) / self._noise(position, logits.shape[-1])).argmax())
+
+    def _noise(self, position: int, vocab: int) -> torch.Tensor:
+        """E ~ Exp(1)^V of `position`; draws are made in position order so each position's noise is fixed."""
+        while self.drawn < position:
+            self.drawn += 1
+            self.noise[self.drawn] = torch.empty(vocab).exponential_(generator=self.generator)
+        for old in [p for p in self.noise if p < position - 64]:
+            del self.noise[old]
+        return self.noise[position]

@@ -121,7 +121,7 @@ class LayerSearch:
 
         X, y = np.array(self.X), np.array(self.y)
         gp = GaussianProcessRegressor(
-            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3), normalize_y=True, random_state=0
+            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3, noise_level_bounds=(1e-9, 1.0)), normalize_y=True, random_state=0
         ).fit(X, y)
         seeds = X[np.argsort(y)[-5:]]
         pool = np.array([self._local_move(seeds[i % len(seeds)]) for i in range(256)])

@@ -1,0 +1,92 @@
+"""`swiftdecode generate`: one or many prompts, in order, in one process (search state carries over)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from swiftdecode.engine import METHODS, check_params
+from swiftdecode.errors import UserError
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by generate and chat."""
+    from swiftdecode.models import add_model_argument
+
+    add_model_argument(p)
+    p.add_argument("--method", default="swift", choices=METHODS, help="decoding method (default: swift)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--fast-path", default="auto", help="CPU matmul path: auto (default), torch, ...")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-file", help="text file (one prompt per line) or Spec-Bench-form JSONL")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    add_sampling_arguments(p)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    check_params(**kw, stop=args.stop)
+    return dict(kw, seed=args.seed, stop=args.stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    kwargs = sampling_kwargs(args)
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        from swiftdecode.data import load_prompts
+
+        prompts += [p.text for p in load_prompts(args.prompt_file)]
+    if not prompts:
+        raise UserError("give --prompt TEXT or --prompt-file FILE")
+    if any(not p.strip() for p in prompts):
+        raise UserError("prompt is empty")
+
+    import swiftdecode
+
+    model, tokenizer = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path)
+    gen = swiftdecode.Generator(model, tokenizer, method=args.method)
+    for prompt in prompts:
+        if args.json:
+            res = gen.generate(prompt, chat=args.chat, **kwargs)
+            print(json.dumps(record(res)), flush=True)
+            continue
+        for ev in gen.stream(prompt, chat=args.chat, **kwargs):
+            print(ev.text, end="", flush=True)
+        print()
+        print(stats_line(ev.result.stats.to_dict()), file=sys.stderr)
+    return 0
+
+
+def record(res) -> dict:
+    """The JSON line of one generation (contract used by other tools)."""
+    s = res.stats.to_dict()
+    keys = ("new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate", "draft_rounds")
+    return {
+        "text": res.text,
+        "token_ids": res.token_ids,
+        "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens,
+        **{k: s[k] for k in keys},
+        "skip": s["skip"],
+        "time_split": s["time_split"],
+        "search": s["search"],
+    }
+
+
+def stats_line(s: dict) -> str:
+    skipped = len(s["skip"]["attn"]) + len(s["skip"]["mlp"])
+    return (
+        f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, {s['mean_accepted_tokens']:.2f} tokens/round, "
+        f"acceptance {s['acceptance_rate']:.0%}, {skipped} sublayers skipped, search {s['search']}]"
+    )

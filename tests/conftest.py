@@ -1,0 +1,39 @@
+"""Shared fixtures: real models, loaded once per test session (converted safetensors cached on disk)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench.jsonl"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer) of SmolLM2-135M-Instruct with the default fast path."""
+    import swiftdecode
+
+    return swiftdecode.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def spec_bench() -> list[dict]:
+    if not SPEC_BENCH.exists():
+        pytest.skip(f"Spec-Bench data not found at {SPEC_BENCH}")
+    return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+
+
+def pick_prompts(records: list[dict], per_category: int, categories: list[str]) -> list[str]:
+    """The first `per_category` first-turn prompts of each category, in file order."""
+    out = []
+    for cat in categories:
+        out += [r["turns"][0] for r in records if r["category"] == cat][:per_category]
+    return out

@@ -1,0 +1,190 @@
+"""Unit tests of the engine's parts: trees, masks, cache rollback, sampling law, matchness, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from swiftdecode import Generator, UserError
+from swiftdecode.cache import SwiftCache
+from swiftdecode.sampling import Sampler, SamplingParams, probabilities
+from swiftdecode.search import LayerSearch, SearchConfig, expected_speedup
+from swiftdecode.skip import SkipSet
+from swiftdecode.tree import Tree, attention_mask
+from swiftdecode.verification import verify
+
+
+def small_tree() -> Tree:
+    """root → a(5) → d(7); root → b(6); a → e(8)."""
+    t = Tree(root=1)
+    a = t.add(5, -1)
+    t.add(6, -1)
+    t.add(7, a)
+    t.add(8, a)
+    t.add(5, -1)  # duplicate child: not added again
+    return t
+
+
+def test_tree_structure_positions_and_ancestry():
+    t = small_tree()
+    assert t.tokens == [5, 6, 7, 8] and t.parents == [-1, -1, 0, 0] and t.depths == [1, 1, 2, 2]
+    assert t.input_ids() == [1, 5, 6, 7, 8]
+    assert t.positions(10).tolist() == [10, 11, 11, 12, 12]
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool
+    )
+    assert torch.equal(t.ancestry(), expected)
+
+
+def test_attention_mask_prefix_visibility_tree_and_window():
+    t = small_tree()
+    m = attention_mask(t.positions(4), 4, 4, t.ancestry(), torch.float32)
+    allowed = m[0, 0] == 0
+    assert m.shape == (1, 1, 5, 9)
+    assert allowed[:, :4].all()  # the whole cached prefix
+    assert torch.equal(allowed[:, 4:], t.ancestry())
+    per_query = attention_mask(torch.arange(2, 4), 4, torch.arange(2, 4), torch.eye(2, dtype=torch.bool), torch.float32)
+    assert (per_query[0, 0] == 0).tolist() == [
+        [True, True, False, False, True, False],
+        [True] * 3 + [False, False, True],
+    ]
+    win = attention_mask(torch.tensor([4]), 4, 4, torch.ones(1, 1, dtype=torch.bool), torch.float32, window=2)
+    assert (win[0, 0, 0] == 0).tolist() == [False, False, False, True, True]
+
+
+def test_cache_truncate_and_keep():
+    cache = SwiftCache(2)
+    k = torch.arange(10.0).reshape(1, 1, 10, 1)
+    cache.update(k[:, :, :6], -k[:, :, :6], 0)
+    cache.update(k[:, :, :4], -k[:, :, :4], 1)  # layer 1 lags (its attention was skipped)
+    assert cache.length == 6 and cache.layers[1].get_seq_length() == 4
+    cache.truncate(3)
+    assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2] and cache.layers[1].get_seq_length() == 3
+    cache.update(k[:, :, 3:10], -k[:, :, 3:10], 0)  # a 7-node tree after position 3
+    cache.keep(3, torch.tensor([0, 2, 5]))
+    assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
+    assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5, -8]
+    big = torch.zeros(1, 1, 600, 1)
+    cache.update(big, big, 0)  # grows past the initial capacity
+    assert cache.length == 606 and cache.layers[0].keys[0, 0, 4, 0] == 5
+
+
+def test_verify_follows_the_chosen_tokens():
+    t = small_tree()
+    logits = torch.full((5, 10), -5.0)
+    logits[0, 5] = logits[1, 8] = logits[4, 3] = 5.0  # root→5, a→8, e→3 (bonus)
+    greedy = Sampler(SamplingParams(), 0)
+    assert verify(t, logits, greedy, 0) == ([0, 3], 3)
+    logits[0, 5], logits[0, 9] = -5.0, 5.0
+    assert verify(t, logits, greedy, 0) == ([], 9)
+
+
+def test_exponential_race_sampler_draws_the_processed_distribution():
+    """20k draws of one position per seed against the exact probabilities (chi-square), with top-k/top-p."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=5)
+    p = probabilities(logits, params)
+    assert p[5] == 0  # top-k cut
+    assert p[4] == 0 or float(p[:4].sum()) < 0.95  # top-p cut keeps the smallest set reaching 0.95
+    draws = [Sampler(params, seed).pick(logits, 0) for seed in range(20_000)]
+    counts = np.bincount(draws, minlength=6)
+    p = p.double().numpy()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support], 20_000 * p[support] / p[support].sum()).pvalue > 1e-3
+
+
+def test_sampler_noise_is_fixed_per_position():
+    params = SamplingParams(temperature=1.0)
+    a, b = Sampler(params, 3), Sampler(params, 3)
+    logits = torch.randn(50)
+    b.pick(logits, 2)  # b draws positions 0..2 first
+    assert [a.pick(logits, i) for i in range(4)] == [b.pick(logits, i) for i in range(4)]
+
+
+def test_skipset_vector_roundtrip_and_uniform():
+    s = SkipSet(frozenset({1, 4}), frozenset({2}))
+    assert SkipSet.from_vector(s.to_vector(6)) == s
+    u = SkipSet.uniform(30, 0.5)
+    assert len(u.attn) == 14 and 0 not in u.attn and 29 not in u.attn
+
+
+def test_search_moves_to_better_sets_and_stops():
+    costs = np.full(1 + 2 * 8, 1 / 17)
+    search = LayerSearch(10, costs, SearchConfig(beta=5, patience=15, max_evals=200), SkipSet())
+    good = {1, 2, 3}
+    for _ in range(200):
+        if not search.searching:
+            break
+        cand = search.propose()
+        alpha = 0.95 - 0.1 * len(cand.attn ^ good) - 0.1 * len(cand.mlp)
+        search.record(cand, max(alpha, 0.0))
+    assert not search.searching
+    assert search.best.attn == good and not search.best.mlp
+    assert expected_speedup(0.9, 0.3, 1.1, 8) > expected_speedup(0.5, 0.3, 1.1, 8) > 0
+
+
+def test_matchness_one_forward_equals_step_by_step_drafting(smollm):
+    """The window forward's per-position draft predictions equal fresh one-token skip-model drafts."""
+    model, tok = smollm
+    gen = Generator(model, tok, method="uniform")
+    ids = gen.chat_ids([{"role": "user", "content": "List three facts about the Moon."}])
+    res = gen.generate(ids, max_new_tokens=12)
+    ctx = ids + res.token_ids
+    sm, skip, W = gen.sm, gen.skip, 8
+    sm.reset()
+    sm.prefill(ctx[:-1])
+    P = sm.cache.length
+    one_forward = gen.matchness(skip, ctx)  # window = 32 > W: covers our positions too
+    assert sm.cache.length == P  # rolled back
+    hits = []
+    for pos in range(P - W, P):
+        sm.reset()
+        sm.prefill(ctx[:pos])
+        h = sm.forward([ctx[pos]], torch.tensor([pos]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
+        hits.append(int(sm.draft_logits(h)[0].argmax()) == ctx[pos + 1])
+    sm.reset()
+    sm.prefill(ctx[:-1])
+    gen.cfg = type(gen.cfg)(**{**gen.cfg.__dict__, "window": W})
+    assert math.isclose(gen.matchness(skip, ctx), sum(hits) / W)
+    assert 0.0 <= one_forward <= 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt="hi", max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt="hi", temperature=float("nan")), "temperature"),
+        (dict(prompt="hi", temperature=-1.0), "temperature"),
+        (dict(prompt="hi", top_p=0.0), "top_p"),
+        (dict(prompt="hi", top_p=1.5), "top_p"),
+        (dict(prompt="hi", top_k=-2), "top_k"),
+        (dict(prompt="hi " * 9000), "context"),
+        (dict(prompt=[10**9]), "token ids"),
+    ],
+)
+def test_bad_input_is_a_user_error(smollm, kwargs, msg):
+    gen = Generator(*smollm, method="swift")
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(UserError, match=msg):
+        gen.generate(prompt, **kwargs)
+    assert gen.generate("Say hi.", max_new_tokens=4, chat=True).token_ids  # state intact for the next request
+
+
+def test_stop_string_eos_and_max_tokens(smollm):
+    gen = Generator(*smollm, method="swift")
+    full = gen.generate("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True)
+    assert full.finish_reason in ("stop", "length") and len(full.token_ids) <= 60
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    cut = gen.generate("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True, stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+    assert len(gen.generate("Hello", max_new_tokens=5).token_ids) == 5
+    streamed = "".join(
+        ev.text for ev in gen.stream("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True)
+    )
+    assert streamed == full.text
