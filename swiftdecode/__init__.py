@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from swiftdecode.engine import METHODS, GenerationResult, Generator, StreamEvent
+from importlib import import_module
+
 from swiftdecode.errors import UserError
 
 __version__ = "0.1.0"
 __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", "METHODS"]
+
+
+def __getattr__(name: str):
+    """Engine names are imported on first use, so `swiftdecode --help` does not pay for torch."""
+    if name in ("Generator", "GenerationResult", "StreamEvent", "METHODS"):
+        return getattr(import_module("swiftdecode.engine"), name)
+    raise AttributeError(name)
 
 
 def load(name_or_path: str = "smollm2-135m", *, fast_path: str = "auto", cache_dir: str | None = None, **kwargs):

@@ -1,9 +1,11 @@
-"""Confidence-aware tree drafting with the layer-skipped model, on the full model's own KV cache."""
+"""Drafting a token tree: the layer-skipped model's confidence-aware chain with top-k siblings, plus n-gram
+continuations copied from the context, all on the full model's own KV cache."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from swiftdecode.model import SwiftModel
@@ -20,8 +22,9 @@ SAMPLING_TOPK = ((0.95, 1), (0.8, 3), (0.5, 5), (0.0, 10))
 class DraftConfig:
     max_depth: int = 8  # draft forwards per round at most
     epsilon: float = 0.8  # stop drafting once the draft's top-1 probability falls below this
-    max_nodes: int = 24  # tree size bound (the verification forward scores max_nodes + 1 tokens)
+    max_nodes: int = 24  # skip-draft nodes kept, best first by estimated acceptance probability
     topk: tuple[tuple[float, int], ...] = GREEDY_TOPK
+    ngram: int = 0  # longest n-gram continuation from the context added as a branch (0 = off)
 
 
 def candidates_for(confidence: float, topk: tuple[tuple[float, int], ...]) -> int:
@@ -29,27 +32,56 @@ def candidates_for(confidence: float, topk: tuple[tuple[float, int], ...]) -> in
 
 
 def draft(sm: SwiftModel, tree: Tree, start: int, skip: SkipSet, cfg: DraftConfig, max_depth: int) -> int:
-    """Grow `tree` with a chain of the skip model's top-1 tokens from its root at position `start`, plus top-k
-    siblings at each depth; stop below confidence ε, at `max_depth` or at the node budget.
+    """Grow `tree` from its root (at position `start`) with the skip model: a chain of top-1 tokens, stopping
+    below confidence ε or at `max_depth`, plus top-k siblings per depth; keep the `max_nodes` candidates most
+    likely to be accepted (chain prefix probability × own probability; parents always rank above children).
 
     Writes draft KV entries after position `start` into the cache; the caller truncates them. Returns the
     number of draft forwards run.
     """
-    token, parent, steps = tree.root, -1, 0
-    while steps < min(cfg.max_depth, max_depth) and len(tree) < cfg.max_nodes:
-        hidden = sm.forward(
-            [token], torch.tensor([start + steps]), torch.ones(1, 1, dtype=torch.bool), skip=skip
-        )
+    token, prefix, steps = tree.root, 1.0, 0
+    layers: list[list[tuple[float, int]]] = []  # per depth: (estimated acceptance probability, token), best first
+    while steps < min(cfg.max_depth, max_depth):
+        hidden = sm.forward([token], torch.tensor([start + steps]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
         logits, ids = sm.draft_logits(hidden)
         probs = torch.softmax(logits[0], dim=-1)
         steps += 1
-        k = min(candidates_for(float(probs.max()), cfg.topk), cfg.max_nodes - len(tree))
-        top_p, top = torch.topk(probs, k)
+        top_p, top = torch.topk(probs, candidates_for(float(probs.max()), cfg.topk))
         top = (top if ids is None else ids[top]).tolist()
-        chain = tree.add(top[0], parent)
-        for t in top[1:]:
-            tree.add(t, parent)
+        layers.append([(prefix * float(p), t) for p, t in zip(top_p, top, strict=True)])
         if float(top_p[0]) < cfg.epsilon:
             break
-        token, parent = top[0], chain
+        token, prefix = top[0], prefix * float(top_p[0])
+    cutoff = sorted((v for layer in layers for v, _ in layer), reverse=True)[: cfg.max_nodes][-1]
+    parent = -1
+    for layer in layers:
+        kept = [t for v, t in layer if v >= cutoff]
+        if not kept:
+            break
+        chain = tree.add(kept[0], parent)
+        for t in kept[1:]:
+            tree.add(t, parent)
+        parent = chain
     return steps
+
+
+def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int = 2) -> list[int]:
+    """Up to `length` tokens that followed the latest earlier occurrence of the longest suffix n-gram of ctx
+    (n_max ≥ n ≥ n_min); [] if none. ctx ends with the tree's root."""
+    if length <= 0 or len(ctx) <= n_min:
+        return []
+    arr = np.asarray(ctx)
+    for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return ctx[start : start + length]
+    return []
+
+
+def add_chain(tree: Tree, tokens: list[int]) -> None:
+    """Add tokens as a path from the root (merging with nodes already there)."""
+    parent = -1
+    for t in tokens:
+        parent = tree.add(t, parent)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, draft
+from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, add_chain, draft, ngram_continuation
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, SamplingParams
@@ -190,9 +190,10 @@ class Generator:
                 result = GenerationResult(text, list(new), len(ids), finish, stats)
                 yield StreamEvent(text[len(emitted) :], [], result)
                 return
-            if text.startswith(emitted) and not text.endswith("\ufffd"):
-                yield StreamEvent(text[len(emitted) :], pending)
-                emitted = text
+            safe = text[: len(text) - _stop_overlap(text, stop)]  # may be the start of a stop string
+            if safe.startswith(emitted) and len(safe) > len(emitted) and not safe.endswith("\ufffd"):
+                yield StreamEvent(safe[len(emitted) :], pending)
+                emitted = safe
             pending = self._round(ctx, budget - len(new), sampler, stats)
 
     def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
@@ -207,6 +208,7 @@ class Generator:
         tree = Tree(ctx[-1])
         cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
         steps = draft(sm, tree, P, self.skip, cfg, room - 1)
+        add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)))
         sm.cache.truncate(P)
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
@@ -313,6 +315,11 @@ def _eos_ids(model, tokenizer) -> set[int]:
 def _find_stop(text: str, stop: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stop) if i >= 0]
     return min(hits) if hits else None
+
+
+def _stop_overlap(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
+    return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), default=0)
 
 
 def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:

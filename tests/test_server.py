@@ -1,0 +1,303 @@
+"""`swiftdecode serve`: a real uvicorn server on 127.0.0.1, driven by the `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from swiftdecode import Generator, UserError
+from swiftdecode.server import create_app
+
+MODEL = "smollm2-135m"
+KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def gen(smollm):
+    return Generator(*smollm, method="swift")
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Run `app` with uvicorn in a background thread on a free port; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def url(gen) -> Iterator[str]:
+    with serving(create_app(gen, MODEL, max_queue=6, api_key=KEY)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(url: str, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, str | bytes) else json.dumps(body)
+    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=120)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
+
+
+# ---------------------------------------------------------------- openai client, greedy == engine
+
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"  # open even with --api-key
+
+
+def test_completion_matches_engine(gen, client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ref = gen.generate(prompt, max_new_tokens=12, temperature=0.0)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.prompt_tokens == ref.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    pieces = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_chat_matches_engine(gen, client):
+    question = "What is 2 + 2? Answer briefly."
+    messages = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ref = gen.generate(question, max_new_tokens=10, temperature=0.0, chat=True)  # as `generate --chat`
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_and_seed(gen, client):
+    prompt = "1, 2, 3, 4, 5,"
+    full = gen.generate(prompt, max_new_tokens=16, temperature=0.0).text
+    stop = full[len(full) // 2 :][:3]
+    assert stop.strip(), full
+    want = full[: full.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop], stream=stream
+        )
+        choices = [c.choices[0] for c in r] if stream else r.choices
+        assert "".join(c.text for c in choices) == want and choices[-1].finish_reason == "stop"
+    sampled = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, seed=7, extra_body={"top_k": 20}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+# ---------------------------------------------------------------- raw HTTP: errors never hurt the server
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", "{not json", None),
+        ("/v1/completions", "[1, 2]", None),
+        ("/v1/completions", "[" * 100_000, None),
+        ("/v1/completions", {"prompt": "hi"}, "model"),
+        ("/v1/completions", {"model": 7, "prompt": "hi"}, "model"),
+        ("/v1/completions", {"model": MODEL}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": 42}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [-1, 5]}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 4}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": True}, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 10**400}, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": [42] * 9000, "max_tokens": 4}, None),
+        ("/v1/chat/completions", {"model": MODEL}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": ["hi"]}, "messages[0]"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages[0].role",
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0]"),
+    ],
+)
+def test_bad_request_is_400(url, path, body, param):
+    err = assert_error(post(url, path, body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_auth_model_route_errors_then_recovery(url, gen):
+    ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    assert assert_error(post(url, "/v1/completions", ok, key=None), 401)["code"] == "invalid_api_key"
+    assert_error(post(url, "/v1/completions", ok, key="sk-wrong"), 401)
+    assert_error(httpx.get(f"{url}/v1/models"), 401)
+    assert assert_error(post(url, "/v1/completions", {**ok, "model": "gpt-4"}), 404)["code"] == "model_not_found"
+    assert_error(httpx.get(f"{url}/v1/nowhere"), 404)
+    r = post(url, "/v1/completions", ok)  # every failure above left the server healthy
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == gen.generate("Hello", max_new_tokens=3).text
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_concurrent_streams_complete_or_429(url, gen):
+    """16 simultaneous streams against max_queue=6: each completes exactly or gets a clean 429; none lost."""
+    prompts = [f"Write a short fact about the number {i}." for i in range(16)]
+
+    def ask(prompt: str) -> tuple[int, str, str | None]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, r.text, r.headers.get("retry-after")
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return 200, "".join(json.loads(ln)["choices"][0]["text"] for ln in lines[:-1]), None
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, prompts))
+    assert all(status in (200, 429) for status, _, _ in results), results
+    assert sum(status == 200 for status, _, _ in results) >= 1
+    for status, text, retry_after in results:
+        if status == 429:
+            assert int(retry_after) >= 1 and json.loads(text)["error"]["code"] == "queue_full"
+    retried = [results[i] if results[i][0] == 200 else ask(p) for i, p in enumerate(prompts)]  # none lost
+    assert [text for _, text, _ in retried] == [gen.generate(p, max_new_tokens=6).text for p in prompts]
+    m = metrics(url)
+    assert m["swiftdecode_queue_depth"] == 0 and m["swiftdecode_requests_running"] == 0
+
+
+class Controlled:
+    """A Generator wrapper whose stream waits for `gate`, and fails on demand (to test the queue and errors)."""
+
+    def __init__(self, gen):
+        self.gen, self.gate, self.entered = gen, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def stream(self, prompt, **kw):
+        self.entered.set()
+        assert self.gate.wait(60)
+        if prompt == "raise UserError":
+            raise UserError("rejected by the engine", status=422)
+        if prompt == "raise RuntimeError":
+            raise RuntimeError("boom")
+        yield from self.gen.stream(prompt, **kw)
+
+
+def test_queue_full_disconnect_and_engine_errors(gen):
+    wrapped = Controlled(gen)
+    with serving(create_app(wrapped, MODEL, max_queue=1)) as url, ThreadPoolExecutor(2) as pool:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+        running = pool.submit(post, url, "/v1/completions", body, None)
+        assert wrapped.entered.wait(30)
+        queued = pool.submit(post, url, "/v1/completions", {**body, "prompt": "In the beginning"}, None)
+        while httpx.get(f"{url}/health").json()["queued"] != 1:  # /health answers while the worker is busy
+            assert not queued.done(), queued.result().text
+            time.sleep(0.02)
+        full = post(url, "/v1/completions", body, None)
+        assert_error(full, 429)
+        assert int(full.headers["retry-after"]) >= 1
+        wrapped.gate.set()
+        outs = [running.result(), queued.result()]
+        assert [r.json()["choices"][0]["text"] for r in outs] == [
+            gen.generate(p, max_new_tokens=5).text for p in ("Once upon a time", "In the beginning")
+        ]
+        used = sum(r.json()["usage"]["completion_tokens"] for r in outs)
+
+        # a client that leaves mid-stream frees the worker at its next token
+        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.monotonic() + 60
+        while metrics(url).get('swiftdecode_requests_total{outcome="cancelled"}') != 1:
+            assert time.monotonic() < deadline, "stream was not cancelled"
+            time.sleep(0.05)
+        streamed = metrics(url)["swiftdecode_generated_tokens_total"] - used
+        assert 1 <= streamed < 400
+
+        assert_error(post(url, "/v1/completions", {**body, "prompt": "raise UserError"}, None), 422)
+        assert_error(post(url, "/v1/completions", {**body, "prompt": "raise RuntimeError"}, None), 500)
+        r = post(url, "/v1/completions", {**body, "stream": True}, None)
+        data = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == outs[0].json()["choices"][0]["text"]
+        m = metrics(url)
+        assert m['swiftdecode_requests_total{outcome="error"}'] == 2
+        assert m["swiftdecode_queue_depth"] == 0 and m["swiftdecode_mean_accepted_tokens"] >= 1
+        assert m['swiftdecode_http_requests_total{path="/v1/completions",status="429"}'] == 1
+        assert any(k.startswith("swiftdecode_search_state{") for k in m)
+        assert 'swiftdecode_skip_layers{kind="attn"}' in m
