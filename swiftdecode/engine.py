@@ -103,9 +103,7 @@ def preset(method: str) -> EngineConfig:
 class Generator:
     """Lossless generation with one model. Not thread-safe; search state carries across calls."""
 
-    def __init__(
-        self, model: torch.nn.Module, tokenizer, method: str = "swift", config: EngineConfig | None = None
-    ):
+    def __init__(self, model: torch.nn.Module, tokenizer, method: str = "swift", config: EngineConfig | None = None):
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.tokenizer = method, tokenizer
@@ -113,6 +111,7 @@ class Generator:
         self.cfg = config or (preset(method) if method != "ar" else None)
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
+        self.decode_s = self.search_s = 0.0  # lifetime draft+verify and search seconds (the overhead cap)
         self.skip: SkipSet | None = None
         if self.cfg is not None and self.cfg.init == "uniform":
             self._start_search(SkipSet.uniform(self.sm.n_layers, self.cfg.init_ratio))
@@ -149,9 +148,7 @@ class Generator:
         ids = self._encode(prompt, chat)
         limit = self.sm.max_length - len(ids)
         if limit <= 0:
-            raise UserError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens"
-            )
+            raise UserError(f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens")
         sampler = Sampler(params, seed if seed is not None else int(torch.seed() % 2**63))
         return self._run(ids, min(max_new_tokens, limit), sampler, stop or [])
 
@@ -222,11 +219,14 @@ class Generator:
         stats.accepted_draft_tokens += len(path)
         stats.round_tokens += len(path) + 1
         out = [tree.tokens[i] for i in path] + [bonus]
+        self.decode_s += t2 - t0
         if self.search is not None:
             self.search.observe_acceptance(len(path) + 1)
-            if self.search.searching:
+            if self.search.searching and self.search_s < self.search.cfg.max_overhead * self.decode_s:
                 self._search_step(ctx + out[:-1], out[-1])
-                stats.time_split["optimize"] += time.perf_counter() - t2
+                spent = time.perf_counter() - t2
+                stats.time_split["optimize"] += spent
+                self.search_s += spent
         return out
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:

@@ -25,14 +25,13 @@ class SearchConfig:
     restart_drop: float = 0.7  # search again when acceptance falls below this fraction of its converged level
     verify_cost: float = 1.15  # cost of a verification forward relative to a 1-token full forward
     max_depth: int = 8
+    max_overhead: float = 0.1  # search only while its time stays below this share of decoding time
 
 
 def expected_speedup(alpha: float, cost: float, verify_cost: float, max_depth: int) -> float:
     """Best over chain depths γ of E[tokens per round] / (γ·draft cost + verify cost), in 1-token forwards."""
     alpha = min(alpha, 0.999)
-    return max(
-        (1 - alpha ** (g + 1)) / (1 - alpha) / (g * cost + verify_cost) for g in range(1, max_depth + 1)
-    )
+    return max((1 - alpha ** (g + 1)) / (1 - alpha) / (g * cost + verify_cost) for g in range(1, max_depth + 1))
 
 
 class LayerSearch:
@@ -121,7 +120,9 @@ class LayerSearch:
 
         X, y = np.array(self.X), np.array(self.y)
         gp = GaussianProcessRegressor(
-            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3, noise_level_bounds=(1e-9, 1.0)), normalize_y=True, random_state=0
+            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3, noise_level_bounds=(1e-9, 1.0)),
+            normalize_y=True,
+            random_state=0,
         ).fit(X, y)
         seeds = X[np.argsort(y)[-5:]]
         pool = np.array([self._local_move(seeds[i % len(seeds)]) for i in range(256)])
