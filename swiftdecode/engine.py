@@ -86,12 +86,13 @@ class EngineConfig:
     init: str = "cosine"  # initial skip set: "cosine" (prefill collinearity) or "uniform"
     init_ratio: float = 0.3  # fraction of inner sublayers skipped initially
     window: int = 32  # matchness window (tokens)
+    draft_vocab: int = 0  # score drafts over this many likely tokens only (0 = the whole vocabulary)
 
 
 def preset(method: str) -> EngineConfig:
     """Configuration of each method: ours, SWIFT's published one, a static uniform draft."""
     if method == "swift":
-        return EngineConfig()
+        return EngineConfig(draft=DraftConfig(ngram=8), draft_vocab=16384)
     if method == "swift-paper":
         paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
         return EngineConfig(draft=DraftConfig(max_nodes=64), search=paper, init="uniform", init_ratio=0.45)
@@ -112,6 +113,8 @@ class Generator:
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
         self.decode_s = self.search_s = 0.0  # lifetime draft+verify and search seconds (the overhead cap)
+        vocab = self.sm.lm_head.weight.shape[0]
+        self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
         self.skip: SkipSet | None = None
         if self.cfg is not None and self.cfg.init == "uniform":
             self._start_search(SkipSet.uniform(self.sm.n_layers, self.cfg.init_ratio))
@@ -157,6 +160,7 @@ class Generator:
         stats = GenerationStats(prompt_tokens=len(ids), search=self.search.state if self.search else "off")
         start = time.perf_counter()
         self.sm.reset()
+        self._set_draft_vocab(ids)
         t = time.perf_counter()
         first = sampler.pick(self._prefill(ids)[-1], len(ids))
         stats.time_split["prefill"] = time.perf_counter() - t
@@ -184,6 +188,7 @@ class Generator:
                         self.skip.to_dict(),
                         self.search.state if self.search else "off",
                     )
+                self.token_counts.index_add_(0, torch.tensor(new, dtype=torch.long), torch.ones(len(new)))
                 result = GenerationResult(text, list(new), len(ids), finish, stats)
                 yield StreamEvent(text[len(emitted) :], [], result)
                 return
@@ -240,6 +245,17 @@ class Generator:
         else:
             hidden = self.sm.prefill(ids)
         return self.sm.logits(hidden)
+
+    def _set_draft_vocab(self, ids: list[int]) -> None:
+        """Draft over the `draft_vocab` tokens most seen so far (this prompt's always in), earlier ids first
+        on ties (BPE ids roughly follow frequency). Verification still scores the whole vocabulary."""
+        if self.cfg is None or not self.cfg.draft_vocab:
+            return
+        self.token_counts.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.ones(len(ids)))
+        prior = 1.0 / (1.0 + torch.arange(len(self.token_counts), dtype=torch.float32))
+        score = self.token_counts + prior
+        score[torch.tensor(ids)] = float("inf")
+        self.sm.set_draft_vocab(torch.topk(score, min(self.cfg.draft_vocab, len(score))).indices.sort().values)
 
     # ---- layer-set search -------------------------------------------------------------------------------
     def _start_search(self, init: SkipSet) -> None:
