@@ -1,0 +1,298 @@
+"""Cheap multi-token forwards on CPU: a batch-invariant skinny-GEMM kernel for every nn.Linear.
+
+Decoding is bound by reading the weights. torch's bundled MKL takes a slow path for products with 2..32 rows
+on some CPUs (AMD), so verifying k draft tokens costs 2-3x one token. `accelerate(model)` swaps each fp32
+nn.Linear (lm_head included; tied weights are used in place, nothing is copied) to `FastLinear`, whose forward
+calls a small C++ AVX-512/AVX2 kernel (csrc/skinny_gemm.cpp) that streams each weight row once for all rows.
+
+The kernel is batch-invariant: y[m, n] is accumulated in the same order whatever M is, so row i of an M-row
+product is bit-identical to the 1-row product. Attention (HF implementation "swiftdecode") is made invariant the
+same way: a query row's output depends only on the keys it sees, in order, not on other rows or masked keys. So
+a forward of k tokens (a chain or a tree under a mask) gives exactly the logits of k one-token forwards, and a
+prompt gives the same cache whether it is fed at once or in pieces. It is also faster than torch's MKL path here
+at every M measured (1..512), so it is used for all M. The library is built with g++ on first use (~1 s) and
+cached under <cache>/kernels. Other dtypes, autograd and non-CPU tensors go to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftdecode.errors import UserError
+
+SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+MODES = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
+
+
+@dataclass
+class FastPathInfo:
+    """Which matmul path a model's linear layers use (`path`) and why (`reason`)."""
+
+    path: str
+    reason: str
+    patched: int = 0
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot run here (CPU, compiler, build or self-test); the message says why."""
+
+
+def cpu_flags() -> set[str]:
+    """CPU feature flags from /proc/cpuinfo (empty off Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa() -> str:
+    """The widest kernel ISA this CPU supports; KernelUnavailable if none."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"no kernel for {platform.system()}/{platform.machine()} (Linux x86-64 only)")
+    flags = cpu_flags()
+    for isa, need in ISA_CPU_FLAGS.items():
+        if need <= flags:
+            return isa
+    raise KernelUnavailable("CPU lacks AVX2+FMA")
+
+
+def kernel_dir() -> Path:
+    from swiftdecode.models import resolve_cache_dir
+
+    return resolve_cache_dir() / "kernels"
+
+
+def build_kernel(isa: str, out_dir: Path | None = None) -> Path:
+    """Compile csrc/skinny_gemm.cpp for `isa` into a cached shared library (keyed by source, flags, compiler)."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH")
+    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *ISA_FLAGS[isa]]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    out_dir = out_dir or kernel_dir()
+    lib = out_dir / f"skinny_gemm_{isa}_{key}.so"
+    if lib.exists():
+        return lib
+    tmp = None
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        r = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise KernelUnavailable(f"kernel build failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        os.replace(tmp, lib)  # atomic: concurrent builders race harmlessly
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"kernel build failed: {e}") from e
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class Kernel:
+    """ctypes binding of sd_linear_<isa>(x, w, b, y, M, N, K, nthreads) for contiguous fp32 tensors."""
+
+    def __init__(self, isa: str, lib: Path):
+        self.isa = isa
+        self.max_head_dim = 32 * (16 if isa == "avx512" else 8)  # output accumulators held in registers
+        self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
+        self._fn = getattr(self._lib, f"sd_linear_{isa}")
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._fn.restype = None
+        self._attn = getattr(self._lib, f"sd_attention_{isa}")
+        self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+        self._attn.restype = None
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """q [H, M, D], k/v [Hkv, T, D] (last dim contiguous), mask [M, T] additive or None (causal, keys
+        aligned at the end) -> [M, H, D]. Every sum runs over the visible keys in key order (see csrc)."""
+        (h, m, d), (hkv, t, _) = q.shape, k.shape
+        out = torch.empty((m, h, d), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * t, dtype=torch.float32)
+        mask_args = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
+        self._attn(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), *mask_args, out.data_ptr(),
+            h, hkv, m, t, d, scale, scratch.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32, w [N, K] contiguous fp32, b [N] or None -> [..., N]; M = x.numel() // K rows."""
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        bias = b.data_ptr() if b is not None else None
+        self._fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+        return y
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def load_kernel(isa: str | None = None) -> Kernel:
+    """Build (once, cached on disk) and load the kernel, then check it against torch; KernelUnavailable if not."""
+    isa = isa or best_isa()
+    if isa not in _KERNELS:
+        if not ISA_CPU_FLAGS[isa] <= cpu_flags():
+            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(ISA_CPU_FLAGS[isa]))}")
+        try:
+            kernel = Kernel(isa, build_kernel(isa))
+        except OSError as e:  # dlopen failure
+            raise KernelUnavailable(f"kernel load failed: {e}") from e
+        _self_test(kernel)
+        _KERNELS[isa] = kernel
+    return _KERNELS[isa]
+
+
+def _self_test(kernel: Kernel) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((5, 77), (13, 77), (13,)))
+    with torch.no_grad():
+        got, want = kernel.linear(x, w, b), F.linear(x, w, b)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        raise KernelUnavailable(f"kernel self-test failed (max error {(got - want).abs().max():.2e})")
+
+
+class FastLinear(nn.Linear):
+    """nn.Linear whose fp32 CPU forward runs the skinny kernel (unless autograd needs a graph)."""
+
+    kernel: Kernel | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if (
+            self.kernel is None
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.numel() == 0
+            or not w.is_contiguous()
+            or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        ):
+            return F.linear(x, w, b)
+        return self.kernel.linear(x, w, b)
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention function ("swiftdecode"): the kernel's order-invariant attention for fp32 queries of one
+    sequence (query [1, H, M, D], key/value [1, Hkv, T, D]); torch's SDPA for everything else."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, _, m, d = query.shape
+    mask = attention_mask
+    if (
+        FastLinear.kernel is None
+        or b != 1
+        or d > FastLinear.kernel.max_head_dim
+        or query.dtype != torch.float32
+        or query.device.type != "cpu"
+        or (dropout and module.training)
+        or kwargs.get("softcap") is not None
+        or kwargs.get("s_aux") is not None
+        or (mask is None and not (kwargs.get("is_causal") or getattr(module, "is_causal", True)))
+        or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1))
+        or any(t.stride(-1) != 1 for t in (query, key, value))
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if mask is not None:
+        mask = mask[0, 0, :, : key.shape[2]]
+        mask = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.float().contiguous()
+    scale = scaling if scaling is not None else d**-0.5
+    return FastLinear.kernel.attention(query[0], key[0], value[0], mask, scale)[None], None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("swiftdecode", invariant_attention)
+    AttentionMaskInterface.register("swiftdecode", sdpa_mask)
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def restore(model: nn.Module) -> None:
+    """Undo `accelerate`: every FastLinear becomes a plain nn.Linear again."""
+    for m in _linears(model):
+        if isinstance(m, FastLinear):
+            m.__class__ = nn.Linear
+    previous = getattr(model, "_swiftdecode_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model._swiftdecode_attn
+
+
+def accelerate(model: nn.Module, mode: str = "auto") -> FastPathInfo:
+    """Patch `model`'s nn.Linear layers in place for cheap multi-token CPU forwards.
+
+    mode: "auto" (kernel if this CPU/compiler supports it, else torch, with the reason), "torch" (undo/no
+    change), "skinny" (kernel, best ISA; UserError if unavailable), "skinny-avx512" / "skinny-avx2".
+    Exact to float rounding vs torch; batch-invariant (see the module docstring).
+    """
+    if mode not in MODES:
+        raise UserError(f"unknown fast path {mode!r}; choose from {', '.join(MODES)}")
+    restore(model)
+    if mode == "torch":
+        return FastPathInfo("torch", "requested (mode='torch')")
+    linears = _linears(model)
+    weights = [m.weight for m in linears]
+    if not weights or any(w.device.type != "cpu" for w in weights):
+        reason = "model has no linear layers" if not weights else "model is not on the CPU"
+        return _unavailable(mode, reason)
+    if not any(w.dtype == torch.float32 for w in weights):
+        return _unavailable(mode, f"weights are {weights[0].dtype}; the kernel is float32 only")
+    try:
+        kernel = load_kernel(mode.removeprefix("skinny-") if mode.startswith("skinny-") else None)
+    except KernelUnavailable as e:
+        return _unavailable(mode, str(e))
+    FastLinear.kernel = kernel
+    for m in linears:
+        if m.weight.dtype == torch.float32:
+            m.__class__ = FastLinear
+    n = sum(isinstance(m, FastLinear) for m in linears)
+    reason = f"{kernel.isa} batch-invariant skinny GEMM ({n} linear layers)"
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and hasattr(model, "set_attn_implementation"):
+        _register_attention()
+        model._swiftdecode_attn = config._attn_implementation
+        model.set_attn_implementation("swiftdecode")
+        reason += " + order-invariant attention"
+    return FastPathInfo(f"skinny-{kernel.isa}", reason, n)
+
+
+def _unavailable(mode: str, reason: str) -> FastPathInfo:
+    if mode != "auto":
+        raise UserError(f"fast path {mode!r} unavailable: {reason}")
+    return FastPathInfo("torch", f"fallback: {reason}")

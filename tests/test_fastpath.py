@@ -1,0 +1,250 @@
+"""Fast path: the skinny-GEMM kernel against torch, its batch invariance, patching and fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftdecode import fastpath
+from swiftdecode.errors import UserError
+from swiftdecode.fastpath import FastLinear, KernelUnavailable, accelerate, load_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    try:
+        return load_kernel()
+    except KernelUnavailable as e:
+        pytest.skip(f"kernel unavailable here: {e}")
+
+
+@pytest.fixture(scope="module", params=sorted(fastpath.ISA_FLAGS))
+def any_kernel(request):
+    """Every kernel variant this CPU can run (AVX-512 and AVX2 on this machine)."""
+    try:
+        return load_kernel(request.param)
+    except KernelUnavailable as e:
+        pytest.skip(f"{request.param} kernel unavailable here: {e}")
+
+
+SHAPES = [(64, 96), (100, 77), (513, 576), (37, 1536)]  # (N, K): aligned, ragged tails, odd N
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_torch(any_kernel, n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for m in list(range(1, 33)) + [64, 70, 130]:  # 70, 130: several 64-row passes
+        x = torch.randn(m, k, generator=g)
+        torch.testing.assert_close(any_kernel.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_kernel_is_batch_invariant(any_kernel):
+    """Row i of an M-row product is bit-identical to the 1-row product, for every M and every i."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(301, 583, generator=g), torch.randn(301, generator=g)
+    x = torch.randn(70, 583, generator=g)
+    alone = torch.cat([any_kernel.linear(x[i : i + 1], w, b) for i in range(len(x))])
+    for m in [2, 3, 4, 5, 6, 7, 8, 12, 16, 31, 32, 64, 70]:
+        for start in (0, len(x) - m):
+            got = any_kernel.linear(x[start : start + m], w, b)
+            assert torch.equal(got, alone[start : start + m]), f"M={m} start={start}"
+
+
+def test_kernel_shapes_and_threads(kernel):
+    w = torch.randn(40, 33)
+    x = torch.randn(2, 3, 33)
+    y = kernel.linear(x, w, None)
+    assert y.shape == (2, 3, 40)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.linear(x, w, None), y)  # the thread split does not change results
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reference_attention(q, k, v, mask, scale):
+    """q [H, M, D], k/v [Hkv, T, D], additive mask [M, T] -> [M, H, D] in float64."""
+    g = q.shape[0] // k.shape[0]
+    k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    p = torch.softmax(q.double() @ k.transpose(1, 2) * scale + mask.double(), -1)
+    return (p @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 40), (2, 1, 256)])
+def test_attention_matches_reference(any_kernel, h, hkv, d):
+    kernel = any_kernel
+    g = torch.Generator().manual_seed(d)
+    t, m = 90, 7
+    q = torch.randn(m, h, d, generator=g).transpose(0, 1)  # strided like HF's [H, M, D] view
+    k, v = torch.randn(hkv, t, d, generator=g), torch.randn(hkv, t, d, generator=g)
+    causal = torch.ones(m, t, dtype=torch.bool).tril(t - m)
+    tree = causal & (torch.rand(m, t, generator=g) > 0.3)
+    tree[:, 0] = True
+    for visible in (causal, tree):
+        mask = torch.zeros(m, t).masked_fill_(~visible, torch.finfo(torch.float32).min)
+        want = reference_attention(q, k, v, mask, d**-0.5)
+        got = kernel.attention(q, k, v, mask, d**-0.5)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    none = kernel.attention(q, k, v, None, d**-0.5)  # no mask: causal with keys aligned at the end
+    assert torch.equal(none, kernel.attention(q, k, v, torch.where(causal, 0.0, float("-inf")), d**-0.5))
+
+
+def test_attention_is_invariant_to_rows_and_masked_keys(kernel):
+    """A row's output depends only on its visible keys in order: not on other rows or masked keys between."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(6, 5, 64, generator=g),
+        torch.randn(2, 50, 64, generator=g),
+        torch.randn(2, 50, 64, generator=g),
+    )
+    visible = torch.rand(5, 50, generator=g) > 0.4
+    mask = torch.zeros(5, 50).masked_fill_(~visible, float("-inf"))
+    together = kernel.attention(q, k, v, mask, 0.125)
+    for i in range(5):
+        keep = visible[i].nonzero().flatten()
+        alone = kernel.attention(q[:, i : i + 1], k[:, keep], v[:, keep], torch.zeros(1, len(keep)), 0.125)
+        assert torch.equal(alone[0], together[i])
+
+
+def tiny_model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 40, bias=False), nn.Linear(40, 48))
+    return model.to(dtype)
+
+
+def test_torch_mode_leaves_modules_unpatched():
+    model = tiny_model()
+    info = accelerate(model, "torch")
+    assert info.path == "torch" and "requested" in info.reason
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_accelerate_patches_in_place_and_restores(kernel):
+    model = tiny_model()
+    x = torch.randn(3, 5, 48)
+    with torch.inference_mode():
+        want = model(x)
+        info = accelerate(model, "auto")
+        assert info.path == f"skinny-{kernel.isa}" and info.patched == 3
+        assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+        ptrs = [m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)]
+        accelerate(model, "torch")
+    assert ptrs == [m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)]  # no copies
+    assert not any(isinstance(m, FastLinear) for m in model.modules())
+
+
+def test_grad_and_other_dtypes_use_torch(kernel):
+    model = tiny_model()
+    accelerate(model, "auto")
+    y = model(torch.randn(2, 48))  # grad enabled, weights require grad: torch's autograd path
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert model[0].weight.grad is not None
+    model.double()  # still FastLinear, now float64: torch's path
+    with torch.no_grad():
+        x = torch.randn(2, 48, dtype=torch.float64)
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
+def test_fallbacks_and_errors(monkeypatch):
+    bf16 = tiny_model(torch.bfloat16)
+    info = accelerate(bf16, "auto")
+    assert info.path == "torch" and "float32" in info.reason
+    with pytest.raises(UserError):
+        accelerate(bf16, "skinny")
+    with pytest.raises(UserError, match="unknown fast path"):
+        accelerate(tiny_model(), "nope")
+
+    def no_compiler(isa, out_dir=None):
+        raise KernelUnavailable("no C++ compiler (g++) on PATH")
+
+    monkeypatch.setattr(fastpath, "_KERNELS", {})
+    monkeypatch.setattr(fastpath, "build_kernel", no_compiler)
+    model = tiny_model()
+    info = accelerate(model, "auto")
+    assert info.path == "torch" and "compiler" in info.reason
+    assert not any(isinstance(m, FastLinear) for m in model.modules())
+
+
+def test_builds_in_a_clean_directory(kernel, tmp_path):
+    lib = fastpath.build_kernel(kernel.isa, tmp_path)
+    assert lib.parent == tmp_path and lib.exists()
+    assert fastpath.build_kernel(kernel.isa, tmp_path) == lib  # cached: same key, no rebuild
+    fresh = fastpath.Kernel(kernel.isa, lib)
+    x, w = torch.randn(3, 50), torch.randn(7, 50)
+    assert torch.equal(fresh.linear(x, w, None), kernel.linear(x, w, None))
+
+
+def test_smollm2_verify_is_bit_identical_to_decoding(kernel, smollm):
+    """With the fast path, a 6-token tree forward (two branches) gives exactly the logits of decoding each
+    branch one token at a time: what makes speculative verification reproduce plain greedy decoding."""
+    from transformers import DynamicCache
+
+    model, _ = smollm
+    accelerate(model, "auto")
+    ids = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(1))
+    prefix, new = ids[:, :20], ids[:, 20:]
+    parent = [-1, 0, 1, 0, 3, 4]  # branches 0-1-2 and 0-3-4-5
+    depth = [0, 1, 2, 1, 2, 3]
+    allowed = torch.eye(6, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p >= 0:
+            allowed[i, p], p = True, parent[p]
+    mask = torch.zeros(1, 1, 6, 26).masked_fill_(~torch.cat([torch.ones(6, 20, dtype=torch.bool), allowed], 1), -1e38)
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(prefix, cache=cache)
+        pos = torch.tensor([[20 + d for d in depth]])
+        tree = model(new, cache=cache, attention_mask=mask, position_ids=pos).logits[0]
+        for branch in ([0, 1, 2], [0, 3, 4, 5]):
+            cache.crop(-(cache.get_seq_length() - 20))
+            steps = [model(new[:, i : i + 1], cache=cache).logits[0, 0] for i in branch]
+            for i, logits in zip(branch, steps, strict=True):
+                assert torch.equal(tree[i], logits), f"node {i}: max diff {(tree[i] - logits).abs().max():.2e}"
+        at_once = model(ids).logits[0, -1]  # a prompt fed at once == fed in pieces
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :11], cache=cache)
+        pieces = model(ids[:, 11:], cache=cache).logits[0, -1]
+        assert torch.equal(at_once, pieces)
+
+
+def test_smollm2_forward_matches_torch(kernel, smollm):
+    """Full SmolLM2 forward (tied lm_head included): fast path vs torch, 12 new tokens on a 20-token cache."""
+    from transformers import DynamicCache
+
+    model, _ = smollm
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    out = {}
+    try:
+        for mode in ("torch", "auto"):
+            accelerate(model, mode)
+            with torch.inference_mode():
+                cache = DynamicCache(config=model.config)
+                model(ids[:, :20], cache=cache)
+                out[mode] = model(ids[:, 20:], cache=cache).logits[0]
+    finally:
+        accelerate(model, "auto")
+    torch.testing.assert_close(out["auto"], out["torch"], rtol=1e-4, atol=1e-3)
+    top2 = out["torch"].topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # a near-tie may flip; none expected, reported if it does
+    assert clear.all(), f"near-tied positions: {(~clear).nonzero().flatten().tolist()}"
+    assert torch.equal(out["auto"].argmax(-1), out["torch"].argmax(-1))
+
+
+def test_doctor_reports_both_paths(kernel, smollm):
+    from swiftdecode.doctor import KS, diagnose, format_report
+
+    model, _ = smollm
+    d = diagnose(model, "auto", context=8, repeats=1)
+    assert d["path"] == f"skinny-{kernel.isa}" and set(d["paths"]) == {"torch", d["path"]}
+    assert set(d["forward_ms"]) == set(KS) and d["ratio"][1] == 1.0
+    assert d["bandwidth_gbs"] > 0 and d["effective_gbs"] > 0
+    assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
+    assert "speedup" in format_report(d)
