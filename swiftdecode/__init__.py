@@ -7,12 +7,13 @@ from importlib import import_module
 from swiftdecode.errors import UserError
 
 __version__ = "0.1.0"
+METHODS = ("swift", "swift-paper", "uniform", "ar")  # decoding methods of the engine (see engine.preset)
 __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", "METHODS"]
 
 
 def __getattr__(name: str):
     """Engine names are imported on first use, so `swiftdecode --help` does not pay for torch."""
-    if name in ("Generator", "GenerationResult", "StreamEvent", "METHODS"):
+    if name in ("Generator", "GenerationResult", "StreamEvent"):
         return getattr(import_module("swiftdecode.engine"), name)
     raise AttributeError(name)
 

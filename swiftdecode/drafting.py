@@ -31,9 +31,12 @@ def candidates_for(confidence: float, topk: tuple[tuple[float, int], ...]) -> in
     return next(k for threshold, k in topk if confidence > threshold or threshold == 0.0)
 
 
-def draft(sm: SwiftModel, tree: Tree, start: int, skip: SkipSet, cfg: DraftConfig, max_depth: int) -> int:
+def draft(
+    sm: SwiftModel, tree: Tree, start: int, skip: SkipSet, cfg: DraftConfig, max_depth: int, min_prefix: float = 0.0
+) -> int:
     """Grow `tree` from its root (at position `start`) with the skip model: a chain of top-1 tokens, stopping
-    below confidence ε or at `max_depth`, plus top-k siblings per depth; keep the `max_nodes` candidates most
+    below confidence ε, once the chain's probability falls below `min_prefix` (the cost of one more draft step,
+    in full forwards) or at `max_depth`, plus top-k siblings per depth; keep the `max_nodes` candidates most
     likely to be accepted (chain prefix probability × own probability; parents always rank above children).
 
     Writes draft KV entries after position `start` into the cache; the caller truncates them. Returns the
@@ -49,7 +52,7 @@ def draft(sm: SwiftModel, tree: Tree, start: int, skip: SkipSet, cfg: DraftConfi
         top_p, top = torch.topk(probs, candidates_for(float(probs.max()), cfg.topk))
         top = (top if ids is None else ids[top]).tolist()
         layers.append([(prefix * float(p), t) for p, t in zip(top_p, top, strict=True)])
-        if float(top_p[0]) < cfg.epsilon:
+        if float(top_p[0]) < cfg.epsilon or prefix * float(top_p[0]) < min_prefix:
             break
         token, prefix = top[0], prefix * float(top_p[0])
     cutoff = sorted((v for layer in layers for v, _ in layer), reverse=True)[: cfg.max_nodes][-1]

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from swiftdecode import METHODS
 from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, add_chain, draft, ngram_continuation
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
@@ -19,8 +20,6 @@ from swiftdecode.search import LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
-
-METHODS = ("swift", "swift-paper", "uniform", "ar")
 
 
 @dataclass
@@ -209,7 +208,9 @@ class Generator:
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
         cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
-        steps = draft(sm, tree, P, self.skip, cfg, room - 1)
+        steps = 0
+        if self._drafting_pays():
+            steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost())
         add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)))
         sm.cache.truncate(P)
         t1 = time.perf_counter()
@@ -245,6 +246,18 @@ class Generator:
         else:
             hidden = self.sm.prefill(ids)
         return self.sm.logits(hidden)
+
+    def _drafting_pays(self) -> bool:
+        """False when the best skip set found so far is expected to be slower than plain decoding: such rounds
+        use only the (free) n-gram branch while the search goes on. SWIFT's fixed-ratio mode always drafts."""
+        s = self.search
+        return s is None or s.cfg.fixed_ratio is not None or s.best_score < 0 or s.best_score > 1.0
+
+    def _step_cost(self) -> float:
+        """Cost of one draft forward relative to a full one (parameter bytes read, plus per-layer overhead)."""
+        if self.search is None or self.search.cfg.fixed_ratio is not None:
+            return 0.0
+        return self.search.cost(self.skip) + 0.05
 
     def _set_draft_vocab(self, ids: list[int]) -> None:
         """Draft over the `draft_vocab` tokens most seen so far (this prompt's always in), earlier ids first

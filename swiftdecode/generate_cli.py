@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from swiftdecode.engine import METHODS, check_params
+from swiftdecode import METHODS
 from swiftdecode.errors import UserError
 
 
@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
+    from swiftdecode.engine import check_params
+
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     check_params(**kw, stop=args.stop)
     return dict(kw, seed=args.seed, stop=args.stop)

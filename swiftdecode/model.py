@@ -18,7 +18,7 @@ class SwiftModel:
         self.config = model.config.get_text_config()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.skipper = LayerSkipper(model)
+        self.skipper = LayerSkipper.of(model)
         self.n_layers = len(self.skipper.layers)
         self.dtype = self.lm_head.weight.dtype
         self.device = self.lm_head.weight.device

@@ -7,6 +7,7 @@ which lets the number of skipped sublayers float (small models are far less redu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,15 +116,18 @@ class LayerSearch:
 
     def _ucb_pick(self) -> np.ndarray:
         """Fit a GP to (set, score) pairs and return the pool candidate with the highest upper confidence bound."""
+        from sklearn.exceptions import ConvergenceWarning
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
         X, y = np.array(self.X), np.array(self.y)
-        gp = GaussianProcessRegressor(
-            ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3, noise_level_bounds=(1e-9, 1.0)),
-            normalize_y=True,
-            random_state=0,
-        ).fit(X, y)
+        with warnings.catch_warnings():  # hyperparameters at their bounds on tiny, noisy data: expected
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            gp = GaussianProcessRegressor(
+                ConstantKernel(1.0) * RBF(length_scale=4.0) + WhiteKernel(1e-3, noise_level_bounds=(1e-9, 1.0)),
+                normalize_y=True,
+                random_state=0,
+            ).fit(X, y)
         seeds = X[np.argsort(y)[-5:]]
         pool = np.array([self._local_move(seeds[i % len(seeds)]) for i in range(256)])
         mean, std = gp.predict(pool, return_std=True)

@@ -642,7 +642,7 @@ def create_app(gen: "Generator", model_id: str, *, max_queue: int = 64, api_key:
 
 
 def add_arguments(parser: "argparse.ArgumentParser") -> None:
-    from swiftdecode.engine import METHODS
+    from swiftdecode import METHODS
     from swiftdecode.models import add_model_argument
 
     add_model_argument(parser)

@@ -75,6 +75,13 @@ class LayerSkipper:
             layer.self_attn.forward = self._wrap(layer.self_attn.forward, i, "attn")
             layer.mlp.forward = self._wrap(layer.mlp.forward, i, "mlp")
 
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> LayerSkipper:
+        """The model's skipper, patching the model on first use only (generators on one model share it)."""
+        if getattr(model, "_swiftdecode_skipper", None) is None:
+            model._swiftdecode_skipper = cls(model)
+        return model._swiftdecode_skipper
+
     def _wrap(self, forward, index: int, kind: str):
         def skippable(*args, **kwargs):
             if index in getattr(self.active, kind):

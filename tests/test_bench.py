@@ -1,0 +1,173 @@
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from swiftdecode import bench
+from swiftdecode.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_data(path: Path) -> Path:
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write one sentence about the sea."]},
+        {"question_id": 2, "category": "qa", "turns": ["What is the capital of France?"]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_end_to_end_greedy_lossless(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--model",
+        "smollm2-135m",
+        "--data",
+        str(write_data(tmp_path / "d.jsonl")),
+        "--methods",
+        "hf,ar,swift",
+        "--max-new-tokens",
+        "16",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+    ]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert json.loads(capsys.readouterr().out) == results
+    assert results["model"] == "smollm2-135m"
+    assert {"cpu", "threads", "torch", "fast_path"} <= results["env"].keys()
+    assert list(results["methods"]) == ["hf", "ar", "swift"]
+    keys = {
+        "tokens_per_s",
+        "speedup_vs_hf",
+        "speedup_vs_ar",
+        "mean_accepted_tokens",
+        "acceptance_rate",
+        "lossless",
+        "n",
+    }
+    for res in results["methods"].values():
+        assert keys <= res["overall"].keys() and res["overall"]["n"] == 2
+        assert set(res["by_category"]) == {"mt-bench", "qa"}
+        for cat in res["by_category"].values():
+            assert keys <= cat.keys() and cat["n"] == 1 and cat["lossless"] is True
+        assert res["overall"]["lossless"] is True, results["mismatches"]
+        assert res["overall"]["tokens_per_s"] > 0
+    assert results["methods"]["hf"]["overall"]["speedup_vs_hf"] == pytest.approx(1.0)
+    assert results["mismatches"] == []
+    records = results["records"]
+    assert len(records) == 6 and all(r["identical"] and r["new_tokens"] > 0 for r in records)
+    assert {r["method"] for r in records if r["index"] == 0} == {"hf", "ar", "swift"}
+    md = (out / "results.md").read_text()
+    assert "## Overall" in md and "| swift |" in md and "token-identical to `hf`" in md
+    for png in ("speedup_by_category.png", "prompt_stream.png"):
+        assert (out / png).read_bytes().startswith(PNG)
+
+
+@pytest.mark.parametrize(
+    "extra, data, message",
+    [
+        ([], None, "data file not found"),
+        ([], "{broken\n", ":1: not valid JSON"),
+        ([], "\n\n", "no prompts in"),
+        (["--categories", "poetry"], "ok", "unknown category 'poetry'"),
+        (["--methods", "hf,magic"], "ok", "unknown method 'magic'"),
+        (["--methods", "hf,draft-model"], "ok", "draft-model needs --draft-model"),
+        (["--max-new-tokens", "0"], "ok", "--max-new-tokens must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_before_loading(tmp_path, capsys, monkeypatch, extra, data, message):
+    monkeypatch.setattr(bench, "load_target", lambda args: pytest.fail("model loaded despite bad input"))
+    path = tmp_path / "d.jsonl"
+    if data == "ok":
+        write_data(path)
+    elif data is not None:
+        path.write_text(data)
+    assert main(["bench", "--model", "smollm2-135m", "--data", str(path), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def record(index: int, method: str, ids: list[int], tps: float, category: str = "qa") -> dict:
+    o = bench.Outcome(ids, wall_s=len(ids) / tps)
+    return bench.record(index, bench.Prompt(str(index), category, "x"), method, 3, o)
+
+
+class Tok:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_summary_counts_every_mismatch():
+    records = [record(0, "hf", [1, 2, 3], 10.0), record(0, "ar", [1, 2, 3], 20.0), record(0, "pld", [1, 9, 3], 30.0)]
+    records += [record(1, "hf", [4, 5], 10.0, "math"), record(1, "ar", [4, 5], 10.0, "math")]
+    records += [record(1, "pld", [4, 5, 6], 40.0, "math")]
+    args = argparse.Namespace(
+        data="d",
+        categories=None,
+        limit=None,
+        max_new_tokens=3,
+        temperature=0.0,
+        warmup=0,
+        draft_model=None,
+        seed=0,
+        model="m",
+        fast_path="auto",
+        hf_fast_path=False,
+    )
+    res = bench.summarize(records, ["hf", "ar", "pld"], args, {}, Tok(), chat=False)
+    assert [(m["method"], m["prompt_id"], m["position"]) for m in res["mismatches"]] == [
+        ("pld", "0", 1),
+        ("pld", "1", 2),
+    ]
+    pld = res["methods"]["pld"]
+    assert pld["overall"]["lossless"] is False and pld["overall"]["mismatches"] == 2
+    assert pld["by_category"]["qa"]["mismatches"] == 1
+    assert res["methods"]["ar"]["overall"]["lossless"] is True
+    assert res["methods"]["ar"]["overall"]["speedup_vs_hf"] == pytest.approx(1.5)  # (20 + 10) / 2 over (10 + 10) / 2
+    assert pld["overall"]["prompt_speedup_vs_hf"] == pytest.approx(3.5)  # mean of 3x and 4x
+    assert pld["by_category"]["math"]["speedup_vs_ar"] == pytest.approx(4.0)
+
+
+def test_cut_at_eos():
+    assert bench.cut_at_eos([5, 6, 2, 7], {2}) == [5, 6]
+    assert bench.cut_at_eos([5, 6], {2}) == [5, 6]
+    assert bench.cut_at_eos([2], {2, 3}) == []
+
+
+class TinyTok:
+    eos_token_id, pad_token_id = None, None
+
+
+@pytest.mark.parametrize("method", ["pld", "early-exit"])
+def test_hf_assisted_methods_match_plain_greedy(method):
+    """On a tiny random Llama: assisted outputs equal plain greedy, and the probe counts rounds and drafts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    args = argparse.Namespace(max_new_tokens=12, temperature=0.0, draft_model=None)
+    prompt = [1, 2, 3, 4, 5, 6] * 3 + [1, 2]  # ends in an n-gram seen before: prompt lookup must propose
+    plain = bench.hf_runner("hf", model, TinyTok(), args)(prompt, 0)
+    out = bench.hf_runner(method, model, TinyTok(), args)(prompt, 0)
+    assert len(plain.token_ids) == 12 and out.token_ids == plain.token_ids
+    assert plain.rounds is None and plain.acceptance_rate is None
+    assert out.rounds >= 1 and 1.0 <= out.mean_accepted_tokens and 0.0 <= out.acceptance_rate <= 1.0
+    assert "_get_candidate_generator" not in vars(model)  # the probe unwrapped itself
