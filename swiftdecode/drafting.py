@@ -16,6 +16,8 @@ from swiftdecode.tree import Tree
 # the more confident the draft, the fewer siblings it needs.
 GREEDY_TOPK = ((0.95, 3), (0.8, 5), (0.5, 8), (0.0, 10))
 SAMPLING_TOPK = ((0.95, 1), (0.8, 3), (0.5, 5), (0.0, 10))
+# On a CPU every verified token costs: fewer siblings, and the cheapest ones are chosen by acceptance odds.
+COMPACT_TOPK = ((0.95, 1), (0.8, 2), (0.5, 3), (0.0, 4))
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,8 @@ class DraftConfig:
     max_depth: int = 8  # draft forwards per round at most
     epsilon: float = 0.8  # stop drafting once the draft's top-1 probability falls below this
     max_nodes: int = 24  # skip-draft nodes kept, best first by estimated acceptance probability
-    topk: tuple[tuple[float, int], ...] = GREEDY_TOPK
+    topk: tuple[tuple[float, int], ...] = GREEDY_TOPK  # candidates per depth, greedy decoding
+    sampling_topk: tuple[tuple[float, int], ...] = SAMPLING_TOPK  # ... when sampling
     ngram: int = 0  # longest n-gram continuation from the context added as a branch (0 = off)
 
 

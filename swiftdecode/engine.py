@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from swiftdecode import METHODS
-from swiftdecode.drafting import SAMPLING_TOPK, DraftConfig, add_chain, draft, ngram_continuation
+from swiftdecode.drafting import COMPACT_TOPK, DraftConfig, add_chain, draft, ngram_continuation
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, SamplingParams
@@ -91,7 +91,8 @@ class EngineConfig:
 def preset(method: str) -> EngineConfig:
     """Configuration of each method: ours, SWIFT's published one, a static uniform draft."""
     if method == "swift":
-        return EngineConfig(draft=DraftConfig(ngram=8), draft_vocab=16384)
+        compact = DraftConfig(epsilon=0.5, max_nodes=8, topk=COMPACT_TOPK, sampling_topk=COMPACT_TOPK, ngram=8)
+        return EngineConfig(draft=compact, draft_vocab=16384)
     if method == "swift-paper":
         paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
         return EngineConfig(draft=DraftConfig(max_nodes=64), search=paper, init="uniform", init_ratio=0.45)
@@ -207,7 +208,7 @@ class Generator:
             return [sampler.pick(logits[0], P + 1)]
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
-        cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=SAMPLING_TOPK)
+        cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=self.cfg.draft.sampling_topk)
         steps = 0
         if self._drafting_pays():
             steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost())

@@ -35,6 +35,7 @@ from swiftdecode.errors import UserError
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
 ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+ATTN_HEADS = 4  # HB in csrc: query heads per attention work item; scratch is (HB + 1) * T floats per thread
 MODES = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
 
 
@@ -116,7 +117,7 @@ class Kernel:
 
     def __init__(self, isa: str, lib: Path):
         self.isa = isa
-        self.max_head_dim = 32 * (16 if isa == "avx512" else 8)  # output accumulators held in registers
+        self.max_head_dim = 4096  # attention keeps per-key scores in scratch, not the head dim in registers
         self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
         self._fn = getattr(self._lib, f"sd_linear_{isa}")
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -136,7 +137,7 @@ class Kernel:
         (h, m, d), (hkv, t, _) = q.shape, k.shape
         out = torch.empty((m, h, d), dtype=torch.float32)
         threads = torch.get_num_threads()
-        scratch = torch.empty(threads * t, dtype=torch.float32)
+        scratch = torch.empty(threads * (ATTN_HEADS + 1) * t, dtype=torch.float32)
         mask_args = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
         self._attn(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),

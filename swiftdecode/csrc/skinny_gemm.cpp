@@ -34,6 +34,11 @@ static inline float vsum(vf a) {
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2_mul(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
 #define SD_NAME sd_linear_avx512
 #define SD_ATTN sd_attention_avx512
 #else
@@ -55,6 +60,14 @@ static inline float vsum(vf a) {
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2_mul(vf y, vf n) {  // y * 2^n for integral n in [-126, 127]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #define SD_NAME sd_linear_avx2
 #define SD_ATTN sd_attention_avx2
@@ -142,60 +155,124 @@ extern "C" void SD_NAME(const float* x, const float* w, const float* b, float* y
   }
 }
 
-// Attention for M query rows of one sequence, order-invariant: each (head, row) is computed alone, with every sum
-// taken over the visible keys in key order (one scalar chain for the softmax denominator, one vector chain per
-// head-dim chunk for the output). Masked keys are skipped, which is exactly adding zero, so the result for a row
-// depends only on its visible keys' values and order: not on M, on the other rows, or on masked keys in between.
+// exp(x) for x <= 0 lane by lane (Cephes expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp). x < -87.3
+// gives ~1e-38 instead of a denormal. Each lane's result depends only on that lane's input.
+static inline vf vexp(vf x) {
+  x = vmax(x, vset1(-87.3f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = vfma(y, r, vset1(1.3981999507e-3f));
+  y = vfma(y, r, vset1(8.3334519073e-3f));
+  y = vfma(y, r, vset1(4.1665795894e-2f));
+  y = vfma(y, r, vset1(1.6666665459e-1f));
+  y = vfma(y, r, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vpow2_mul(y, n);
+}
+
+#define HB 4  // query heads (sharing one key/value head) computed together: key and value loads are shared
+
+// Attention for HN <= HB heads sharing k/v and one query row, over its nv visible keys vis[0..nv) in key order.
+// s, p: scratch [HB][T]. Per head: score s_t = lane-sum(q . k_t over head-dim chunks in order) * scale + mask_t;
+// p_t = exp(s_t - max); denom and output are sums over the visible keys in key order (one scalar chain for
+// the denominator, one vector chain per head-dim chunk). Nothing depends on other heads, rows or masked keys.
+template <int HN>
+static void attend_row(const float* const* qr, const float* kh, int64_t k_st, const float* vh, int64_t v_st,
+                       const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D, float scale, float* s,
+                       float* const* orow) {
+  const int64_t chunks = (D + VW - 1) / VW;
+  float mx[HN];
+  for (int h = 0; h < HN; ++h) mx[h] = -INFINITY;
+  for (int64_t i = 0; i < nv; ++i) {
+    const int64_t t = vis[i];
+    vf acc[HN];
+    for (int h = 0; h < HN; ++h) acc[h] = vzero();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int n = (int)(D - c * VW < VW ? D - c * VW : VW);
+      const vf kv = n == VW ? vload(kh + t * k_st + c * VW) : vload_tail(kh + t * k_st + c * VW, n);
+      for (int h = 0; h < HN; ++h)
+        acc[h] = vfma(n == VW ? vload(qr[h] + c * VW) : vload_tail(qr[h] + c * VW, n), kv, acc[h]);
+    }
+    for (int h = 0; h < HN; ++h) {
+      const float sc = vsum(acc[h]) * scale + (mr ? mr[t] : 0.0f);
+      s[h * T + i] = sc;
+      mx[h] = sc > mx[h] ? sc : mx[h];
+    }
+  }
+  for (int h = 0; h < HN; ++h) {  // p = exp(s - max) in place, VW keys at a time (lane-wise: no cross-key effect)
+    float* sh = s + h * T;
+    int64_t i = 0;
+    for (; i + VW <= nv; i += VW) vstore(sh + i, vexp(vadd(vload(sh + i), vset1(-mx[h]))));
+    if (i < nv) {
+      float tmp[VW];
+      vstore(tmp, vexp(vadd(vload_tail(sh + i, (int)(nv - i)), vset1(-mx[h]))));
+      for (int64_t j = i; j < nv; ++j) sh[j] = tmp[j - i];
+    }
+  }
+  float denom[HN];
+  for (int h = 0; h < HN; ++h) denom[h] = 0.0f;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // 4 head-dim chunks at a time: HN * 4 accumulators
+    const int64_t cn = chunks - c0 < 4 ? chunks - c0 : 4;
+    vf o[HN][4];
+    for (int h = 0; h < HN; ++h)
+      for (int c = 0; c < 4; ++c) o[h][c] = vzero();
+    for (int64_t i = 0; i < nv; ++i) {
+      const float* vt = vh + vis[i] * v_st + c0 * VW;
+      if (c0 == 0)
+        for (int h = 0; h < HN; ++h) denom[h] += s[h * T + i];
+      for (int c = 0; c < 4; ++c) {
+        if (c >= cn) break;
+        const int64_t d0 = (c0 + c) * VW;
+        const vf vv = D - d0 >= VW ? vload(vt + c * VW) : vload_tail(vt + c * VW, (int)(D - d0));
+        for (int h = 0; h < HN; ++h) o[h][c] = vfma(vset1(s[h * T + i]), vv, o[h][c]);
+      }
+    }
+    for (int h = 0; h < HN; ++h)
+      for (int64_t c = 0; c < cn; ++c) {
+        float tmp[VW];
+        vstore(tmp, o[h][c]);
+        const int64_t d0 = (c0 + c) * VW;
+        for (int64_t d = d0; d < D && d < d0 + VW; ++d) orow[h][d] = tmp[d - d0] / denom[h];
+      }
+  }
+}
+
+// Attention for M query rows of one sequence, order-invariant: each (head, row) output is a function of that
+// row's query and its visible keys/values in key order only (see attend_row): not of M, the other rows, or
+// masked keys in between (skipped). Heads sharing a key/value head are computed together.
 // q[h, m, :] at q + h*q_sh + m*q_sm; k/v[g, t, :] at k + g*k_sh + t*k_st (g = h / (H / Hkv));
 // mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
-// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * T floats.
+// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
 extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
                         const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm, float* out,
                         int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale, float* scratch,
                         int nthreads) {
-  const int64_t group = H / Hkv, chunks = (D + VW - 1) / VW;
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t m = 0; m < M; ++m) {
-      float* s = scratch + (int64_t)omp_get_thread_num() * T;
-      const float* qr = q + h * q_sh + m * q_sm;
-      const float* kh = k + (h / group) * k_sh;
-      const float* vh = v + (h / group) * v_sh;
-      const float* mr = mask ? mask + m * mask_sm : nullptr;
-      const int64_t tend = mask ? T : T - M + m + 1;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < tend; ++t) {
-        if (mr && mr[t] <= -1e30f) {
-          s[t] = -INFINITY;
-          continue;
+  const int64_t group = H / Hkv, subs = (group + HB - 1) / HB;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(3)
+  for (int64_t g = 0; g < Hkv; ++g)
+    for (int64_t sb = 0; sb < subs; ++sb)
+      for (int64_t m = 0; m < M; ++m) {
+        float* s = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T;
+        int32_t* vis = (int32_t*)(s + HB * T);
+        const float* mr = mask ? mask + m * mask_sm : nullptr;
+        int64_t nv = 0;
+        for (int64_t t = 0, tend = mask ? T : T - M + m + 1; t < tend; ++t)
+          if (!mr || mr[t] > -1e30f) vis[nv++] = (int32_t)t;
+        const int64_t h0 = g * group + sb * HB, hn = group - sb * HB < HB ? group - sb * HB : HB;
+        const float* qr[HB];
+        float* orow[HB];
+        for (int64_t h = 0; h < hn; ++h) {
+          qr[h] = q + (h0 + h) * q_sh + m * q_sm;
+          orow[h] = out + (m * H + h0 + h) * D;
         }
-        vf acc = vzero();
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int n = (int)(D - c * VW < VW ? D - c * VW : VW);
-          acc = n == VW ? vfma(vload(qr + c * VW), vload(kh + t * k_st + c * VW), acc)
-                        : vfma(vload_tail(qr + c * VW, n), vload_tail(kh + t * k_st + c * VW, n), acc);
-        }
-        s[t] = vsum(acc) * scale + (mr ? mr[t] : 0.0f);
-        mx = s[t] > mx ? s[t] : mx;
-      }
-      float denom = 0.0f;
-      vf o[32];  // D <= 32 * VW
-      for (int64_t c = 0; c < chunks; ++c) o[c] = vzero();
-      for (int64_t t = 0; t < tend; ++t) {
-        if (s[t] == -INFINITY) continue;
-        const float p = expf(s[t] - mx);
-        denom += p;
-        const vf pv = vset1(p);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int n = (int)(D - c * VW < VW ? D - c * VW : VW);
-          o[c] = vfma(pv, n == VW ? vload(vh + t * v_st + c * VW) : vload_tail(vh + t * v_st + c * VW, n), o[c]);
+        const float *kh = k + g * k_sh, *vh = v + g * v_sh;
+        switch (hn) {
+          case 4: attend_row<4>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+          case 3: attend_row<3>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+          case 2: attend_row<2>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+          default: attend_row<1>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
         }
       }
-      float* orow = out + (m * H + h) * D;
-      float tmp[VW];
-      for (int64_t c = 0; c < chunks; ++c) {
-        vstore(tmp, o[c]);
-        for (int64_t i = c * VW; i < D && i < (c + 1) * VW; ++i) orow[i] = tmp[i - c * VW] / denom;
-      }
-    }
 }
