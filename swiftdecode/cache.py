@@ -30,12 +30,8 @@ class BufferLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self._k.shape[2]:
             grow = max(end, 2 * self._k.shape[2]) - self._k.shape[2]
-            self._k = torch.cat(
-                [self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2
-            )
-            self._v = torch.cat(
-                [self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2
-            )
+            self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2)
+            self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2)
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
         self.length = end

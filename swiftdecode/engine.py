@@ -162,7 +162,7 @@ class Generator:
         self.sm.reset()
         self._set_draft_vocab(ids)
         t = time.perf_counter()
-        first = sampler.pick(self._prefill(ids)[-1], len(ids))
+        first = sampler.pick(self._prefill(ids), len(ids))
         stats.time_split["prefill"] = time.perf_counter() - t
         ctx, new, emitted, finish = list(ids), [], "", "length"
         pending = [first]
@@ -237,7 +237,7 @@ class Generator:
         return out
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
-        """Full forward of the prompt; picks the initial skip set on first use. Returns logits [len(ids), V]."""
+        """Full forward of the prompt; picks the initial skip set on first use. Returns the last logits [V]."""
         if self.cfg is not None and self.search is None and self.cfg.init == "cosine":
             with _collinearity(self.sm) as cos:
                 hidden = self.sm.prefill(ids)
@@ -246,7 +246,7 @@ class Generator:
             self._start_search(SkipSet(layers, layers))
         else:
             hidden = self.sm.prefill(ids)
-        return self.sm.logits(hidden)
+        return self.sm.logits(hidden[-1:])[0]
 
     def _drafting_pays(self) -> bool:
         """False when the best skip set found so far is expected to be slower than plain decoding: such rounds
