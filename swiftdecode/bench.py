@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the HF methods on the fast path too (default: stock torch, as users have it)",
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a busy machine)")
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
 
@@ -98,6 +99,8 @@ def parse_methods(text: str, draft_model: str | None) -> list[str]:
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]:
     """Everything that can be checked before loading a model."""
     methods = parse_methods(args.methods, args.draft_model)
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
@@ -114,6 +117,10 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
 
 def run(args: argparse.Namespace) -> int:
     methods, prompts, out = check_args(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tok, fast_path = load_target(args)
     chat = use_chat(tok, args.chat)
     ids = [encode(tok, p.text, chat) for p in prompts]
