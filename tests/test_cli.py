@@ -1,0 +1,43 @@
+"""The CLI contract of `swiftdecode generate` (other tools depend on it) and its bad-input behaviour."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swiftdecode.cli import main
+
+KEYS = {"text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate"}
+
+
+def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in spec_bench[:2]) + "\n")
+    argv = ["generate", "--prompt-file", str(data), "--prompt", "Name a colour.", "--chat", "--json"]
+    assert main([*argv, "--max-new-tokens", "12", "--method", "swift"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 3
+    for rec in lines:
+        assert KEYS | {"draft_rounds", "skip", "time_split"} <= rec.keys()
+        assert 0 < rec["new_tokens"] == len(rec["token_ids"]) <= 12
+        assert set(rec["skip"]) == {"attn", "mlp"}
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", "hi", "--temperature", "nan"], "temperature"),
+        (["--prompt", "hi", "--top-p", "2"], "top_p"),
+        (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
+        (["--prompt", "hi " * 9000], "context"),
+        ([], "--prompt"),
+    ],
+)
+def test_generate_bad_input_is_one_line_and_exit_2(capsys, args, msg):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]  # earlier lines can only be the model-loading progress bar
+    assert last.startswith("swiftdecode generate: error:") and msg in last and "Traceback" not in err
