@@ -29,6 +29,7 @@ class GenerationStats:
     wall_s: float = 0.0
     draft_rounds: int = 0
     draft_steps: int = 0
+    drafted_depth: int = 0
     accepted_draft_tokens: int = 0
     round_tokens: int = 0
     time_split: dict[str, float] = field(
@@ -48,8 +49,8 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens per draft forward."""
-        return self.accepted_draft_tokens / self.draft_steps if self.draft_steps else 0.0
+        """Accepted draft tokens per drafted tree depth (the most a round could accept)."""
+        return self.accepted_draft_tokens / self.drafted_depth if self.drafted_depth else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -223,6 +224,7 @@ class Generator:
         stats.time_split["verify"] += t2 - t1
         stats.draft_rounds += 1
         stats.draft_steps += steps
+        stats.drafted_depth += max(tree.depths, default=0)
         stats.accepted_draft_tokens += len(path)
         stats.round_tokens += len(path) + 1
         out = [tree.tokens[i] for i in path] + [bonus]
