@@ -58,6 +58,8 @@ def draft(
         if float(top_p[0]) < cfg.epsilon or prefix * float(top_p[0]) < min_prefix:
             break
         token, prefix = top[0], prefix * float(top_p[0])
+    if not layers:
+        return steps
     cutoff = sorted((v for layer in layers for v, _ in layer), reverse=True)[: cfg.max_nodes][-1]
     parent = -1
     for layer in layers:

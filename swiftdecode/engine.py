@@ -114,6 +114,8 @@ class Generator:
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
         self.decode_s = self.search_s = 0.0  # lifetime draft+verify and search seconds (the overhead cap)
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens/s of rounds with/without drafts
+        self.rounds = 0
         vocab = self.sm.lm_head.weight.shape[0]
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
         self.skip: SkipSet | None = None
@@ -210,8 +212,8 @@ class Generator:
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
         cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=self.cfg.draft.sampling_topk)
-        steps = 0
-        if self._drafting_pays():
+        steps, drafting = 0, self._choose_drafting()
+        if drafting:
             steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost())
         add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)))
         sm.cache.truncate(P)
@@ -229,6 +231,7 @@ class Generator:
         stats.round_tokens += len(path) + 1
         out = [tree.tokens[i] for i in path] + [bonus]
         self.decode_s += t2 - t0
+        self._observe_rate(drafting, len(path) + 1, t2 - t0)
         if self.search is not None:
             self.search.observe_acceptance(len(path) + 1)
             if self.search.searching and self.search_s < self.search.cfg.max_overhead * self.decode_s:
@@ -250,11 +253,21 @@ class Generator:
             hidden = self.sm.prefill(ids)
         return self.sm.logits(hidden[-1:])[0]
 
-    def _drafting_pays(self) -> bool:
-        """False when the best skip set found so far is expected to be slower than plain decoding: such rounds
-        use only the (free) n-gram branch while the search goes on. SWIFT's fixed-ratio mode always drafts."""
-        s = self.search
-        return s is None or s.cfg.fixed_ratio is not None or s.best_score < 0 or s.best_score > 1.0
+    def _choose_drafting(self) -> bool:
+        """Whether this round drafts with the skip model or only verifies the (free) n-gram branch: whichever
+        has yielded more tokens per second lately, measured, trying the other every 8th round. SWIFT's
+        fixed-ratio mode always drafts."""
+        if self.search is not None and self.search.cfg.fixed_ratio is not None:
+            return True
+        self.rounds += 1
+        with_draft, without = self.rate[True], self.rate[False]
+        if with_draft is None or without is None:
+            return without is not None
+        return (with_draft > without) != (self.rounds % 8 == 0)
+
+    def _observe_rate(self, drafting: bool, tokens: int, seconds: float) -> None:
+        old = self.rate[drafting]
+        self.rate[drafting] = tokens / seconds if old is None else 0.9 * old + 0.1 * tokens / seconds
 
     def _step_cost(self) -> float:
         """Cost of one draft forward relative to a full one (parameter bytes read, plus per-layer overhead)."""

@@ -26,7 +26,7 @@ class SearchConfig:
     restart_drop: float = 0.7  # search again when acceptance falls below this fraction of its converged level
     verify_cost: float = 1.15  # cost of a verification forward relative to a 1-token full forward
     max_depth: int = 8
-    max_overhead: float = 0.1  # search only while its time stays below this share of decoding time
+    max_overhead: float = 0.03  # search only while its time stays below this share of decoding time
 
 
 def expected_speedup(alpha: float, cost: float, verify_cost: float, max_depth: int) -> float:
