@@ -119,6 +119,9 @@ class Generator:
         vocab = self.sm.lm_head.weight.shape[0]
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
         self.skip: SkipSet | None = None
+        if self.cfg is not None:  # draft settings for greedy (True) and sampling (False), built once
+            d = self.cfg.draft
+            self.draft_cfg = {True: d, False: replace(d, topk=d.sampling_topk)}
         if self.cfg is not None and self.cfg.init == "uniform":
             self._start_search(SkipSet.uniform(self.sm.n_layers, self.cfg.init_ratio))
 
@@ -211,7 +214,7 @@ class Generator:
             return [sampler.pick(logits[0], P + 1)]
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
-        cfg = self.cfg.draft if sampler.params.greedy else replace(self.cfg.draft, topk=self.cfg.draft.sampling_topk)
+        cfg = self.draft_cfg[sampler.params.greedy]
         steps, drafting = 0, self._choose_drafting()
         if drafting:
             steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost())
