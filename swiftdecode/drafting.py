@@ -24,7 +24,7 @@ COMPACT_TOPK = ((0.95, 1), (0.8, 2), (0.5, 3), (0.0, 4))
 class DraftConfig:
     max_depth: int = 8  # draft forwards per round at most
     epsilon: float = 0.8  # stop drafting once the draft's top-1 probability falls below this
-    max_nodes: int = 24  # skip-draft nodes kept, best first by estimated acceptance probability
+    max_nodes: int = 24  # tree nodes at most; skip-draft nodes are kept best first by estimated acceptance
     topk: tuple[tuple[float, int], ...] = GREEDY_TOPK  # candidates per depth, greedy decoding
     sampling_topk: tuple[tuple[float, int], ...] = SAMPLING_TOPK  # ... when sampling
     ngram: int = 0  # longest n-gram continuation from the context added as a branch (0 = off)
@@ -88,8 +88,12 @@ def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int =
     return []
 
 
-def add_chain(tree: Tree, tokens: list[int]) -> None:
-    """Add tokens as a path from the root (merging with nodes already there)."""
+def add_chain(tree: Tree, tokens: list[int], max_nodes: int) -> None:
+    """Add tokens as a path from the root, merging with nodes already there, while the tree holds at most
+    `max_nodes` nodes (the root not counted)."""
     parent = -1
     for t in tokens:
-        parent = tree.add(t, parent)
+        known = [i for i in tree.children(parent) if tree.tokens[i] == t]
+        if not known and len(tree.tokens) >= max_nodes:
+            return
+        parent = known[0] if known else tree.add(t, parent)

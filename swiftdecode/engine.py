@@ -6,20 +6,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
-from swiftdecode import METHODS
+from swiftdecode import METHODS, fastpath
 from swiftdecode.drafting import COMPACT_TOPK, DraftConfig, add_chain, draft, ngram_continuation
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, SamplingParams
-from swiftdecode.search import LayerSearch, SearchConfig
+from swiftdecode.search import DraftCost, LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
+
+MODES = ("ngram", "draft", "plain")  # kinds of decoding round, see Generator._choose_mode
 
 
 @dataclass
@@ -35,7 +38,7 @@ class GenerationStats:
     time_split: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
     )
-    skip: dict[str, list[int]] = field(default_factory=lambda: {"attn": [], "mlp": []})
+    skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
     search: str = "off"
 
     @property
@@ -87,13 +90,14 @@ class EngineConfig:
     init_ratio: float = 0.3  # fraction of inner sublayers skipped initially
     window: int = 32  # matchness window (tokens)
     draft_vocab: int = 0  # score drafts over this many likely tokens only (0 = the whole vocabulary)
+    sparsity: int = 0  # initial activation-sparsity level of the draft's MLPs (fastpath.SPARSITY_LEVELS)
 
 
 def preset(method: str) -> EngineConfig:
     """Configuration of each method: ours, SWIFT's published one, a static uniform draft."""
     if method == "swift":
         compact = DraftConfig(epsilon=0.5, max_nodes=8, topk=COMPACT_TOPK, sampling_topk=COMPACT_TOPK, ngram=8)
-        return EngineConfig(draft=compact, draft_vocab=16384)
+        return EngineConfig(draft=compact, draft_vocab=16384, init_ratio=0.1, sparsity=3)
     if method == "swift-paper":
         paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
         return EngineConfig(draft=DraftConfig(max_nodes=64), search=paper, init="uniform", init_ratio=0.45)
@@ -114,7 +118,8 @@ class Generator:
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
         self.decode_s = self.search_s = 0.0  # lifetime draft+verify and search seconds (the overhead cap)
-        self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens/s of rounds with/without drafts
+        self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
+        self.seconds: dict[str, float | None] = {"step": None, "plain": None}  # a draft forward, a plain round
         self.rounds = 0
         vocab = self.sm.lm_head.weight.shape[0]
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
@@ -206,19 +211,42 @@ class Generator:
 
     def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
         """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
+        mode = "plain" if self.skip is None or room <= 1 else self._choose_mode()
+        t0 = time.perf_counter()
+        out = self._plain(ctx, sampler) if mode == "plain" else self._tree_round(ctx, room, sampler, stats, mode)
+        t1 = time.perf_counter()
+        if mode == "plain":
+            stats.time_split["verify"] += t1 - t0
+        if self.skip is None:
+            return out
+        self.decode_s += t1 - t0
+        self._observe_rate(mode, len(out), t1 - t0)
+        if mode == "plain":
+            self.seconds["plain"] = _ema(self.seconds["plain"], t1 - t0)
+        if self.search is not None:
+            if mode != "plain":
+                self.search.observe_acceptance(len(out))
+            if self.search.searching and self.search_s < self.search.cfg.max_overhead * self.decode_s:
+                self._search_step(ctx + out[:-1], out[-1])
+                spent = time.perf_counter() - t1
+                stats.time_split["optimize"] += spent
+                self.search_s += spent
+        return out
+
+    def _plain(self, ctx: list[int], sampler: Sampler) -> list[int]:
+        """Plain decoding: one full forward of the last token."""
+        P = self.sm.cache.length
+        logits = self.sm.logits(self.sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
+        return [sampler.pick(logits[0], P + 1)]
+
+    def _tree_round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats, mode: str) -> list[int]:
+        """Draft a tree (skip model if mode == "draft", n-gram branch always), verify it in one full forward."""
         sm, P = self.sm, self.sm.cache.length
-        if self.skip is None or room <= 1:
-            t = time.perf_counter()
-            logits = sm.logits(sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
-            stats.time_split["verify"] += time.perf_counter() - t
-            return [sampler.pick(logits[0], P + 1)]
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
         cfg = self.draft_cfg[sampler.params.greedy]
-        steps, drafting = 0, self._choose_drafting()
-        if drafting:
-            steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost())
-        add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)))
+        steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost()) if mode == "draft" else 0
+        add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)), cfg.max_nodes)
         sm.cache.truncate(P)
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
@@ -232,51 +260,56 @@ class Generator:
         stats.drafted_depth += max(tree.depths, default=0)
         stats.accepted_draft_tokens += len(path)
         stats.round_tokens += len(path) + 1
-        out = [tree.tokens[i] for i in path] + [bonus]
-        self.decode_s += t2 - t0
-        self._observe_rate(drafting, len(path) + 1, t2 - t0)
-        if self.search is not None:
-            self.search.observe_acceptance(len(path) + 1)
-            if self.search.searching and self.search_s < self.search.cfg.max_overhead * self.decode_s:
-                self._search_step(ctx + out[:-1], out[-1])
-                spent = time.perf_counter() - t2
-                stats.time_split["optimize"] += spent
-                self.search_s += spent
-        return out
+        if steps:
+            self.seconds["step"] = _ema(self.seconds["step"], (t1 - t0) / steps)
+        return [tree.tokens[i] for i in path] + [bonus]
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         """Full forward of the prompt; picks the initial skip set on first use. Returns the last logits [V]."""
-        if self.cfg is not None and self.search is None and self.cfg.init == "cosine":
-            with _collinearity(self.sm) as cos:
+        if self.cfg is None:
+            return self.sm.logits(self.sm.prefill(ids)[-1:])[0]
+        sparse = self._sparse()
+        with fastpath.calibrate() if sparse else nullcontext():  # sparsity thresholds follow this prompt
+            if self.search is None and self.cfg.init == "cosine":
+                with _collinearity(self.sm) as cos:
+                    hidden = self.sm.prefill(ids)
+                n = round(self.cfg.init_ratio * (self.sm.n_layers - 2))
+                layers = frozenset(int(i) + 1 for i in np.argsort(-cos()[1:-1])[:n])
+                self._start_search(SkipSet(layers, layers, self.cfg.sparsity if sparse else 0))
+            else:
                 hidden = self.sm.prefill(ids)
-            n = round(self.cfg.init_ratio * (self.sm.n_layers - 2))
-            layers = frozenset(int(i) + 1 for i in np.argsort(-cos()[1:-1])[:n])
-            self._start_search(SkipSet(layers, layers))
-        else:
-            hidden = self.sm.prefill(ids)
         return self.sm.logits(hidden[-1:])[0]
 
-    def _choose_drafting(self) -> bool:
-        """Whether this round drafts with the skip model or only verifies the (free) n-gram branch: whichever
-        has yielded more tokens per second lately, measured, trying the other every 8th round. SWIFT's
-        fixed-ratio mode always drafts."""
-        if self.search is not None and self.search.cfg.fixed_ratio is not None:
-            return True
-        self.rounds += 1
-        with_draft, without = self.rate[True], self.rate[False]
-        if with_draft is None or without is None:
-            return without is not None
-        return (with_draft > without) != (self.rounds % 8 == 0)
+    def _sparse(self) -> bool:
+        """Whether drafts may be activation-sparse: the config asks and the MLPs run on the sparse kernel."""
+        return self.cfg.sparsity > 0 and fastpath.sparse_capable(self.sm.model)
 
-    def _observe_rate(self, drafting: bool, tokens: int, seconds: float) -> None:
-        old = self.rate[drafting]
-        self.rate[drafting] = tokens / seconds if old is None else 0.9 * old + 0.1 * tokens / seconds
+    def _choose_mode(self) -> str:
+        """How this round drafts: "draft" (skip model + n-gram branch), "ngram" (the free n-gram branch only) or
+        "plain" (no draft: a one-token step, as plain decoding). Whichever has yielded the most tokens per second
+        lately, measured; every 8th round tries another one in turn. SWIFT's fixed-ratio mode always drafts."""
+        if self.search is not None and self.search.cfg.fixed_ratio is not None:
+            return "draft"
+        self.rounds += 1
+        untried = [m for m in MODES if self.rate[m] is None]
+        if untried:
+            return untried[0]
+        best = max(MODES, key=lambda m: self.rate[m])
+        if self.rounds % 8:
+            return best
+        others = [m for m in MODES if m != best]
+        return others[(self.rounds // 8) % len(others)]
+
+    def _observe_rate(self, mode: str, tokens: int, seconds: float) -> None:
+        self.rate[mode] = _ema(self.rate[mode], tokens / seconds, 0.9)
 
     def _step_cost(self) -> float:
-        """Cost of one draft forward relative to a full one (parameter bytes read, plus per-layer overhead)."""
+        """Cost of one draft forward relative to a plain decoding step: measured once both have run, until then
+        estimated from the parameter bytes read plus per-layer overhead."""
         if self.search is None or self.search.cfg.fixed_ratio is not None:
             return 0.0
-        return self.search.cost(self.skip) + 0.05
+        step, plain = self.seconds["step"], self.seconds["plain"]
+        return step / plain if step and plain else self.search.cost(self.skip) + 0.05
 
     def _set_draft_vocab(self, ids: list[int]) -> None:
         """Draft over the `draft_vocab` tokens most seen so far (this prompt's always in), earlier ids first
@@ -293,7 +326,8 @@ class Generator:
     def _start_search(self, init: SkipSet) -> None:
         self.skip = init
         if self.cfg.search is not None:
-            self.search = LayerSearch(self.sm.n_layers, _sublayer_costs(self.sm), self.cfg.search, init)
+            cost = _draft_cost(self.sm, self._sparse())
+            self.search = LayerSearch(self.sm.n_layers, cost, self.cfg.search, init)
 
     def _search_step(self, ctx: list[int], pending: int) -> None:
         """Score one candidate skip set on the live context and adopt the best set found so far."""
@@ -378,17 +412,27 @@ def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:
     return ids[:n]
 
 
-def _sublayer_costs(sm: SwiftModel) -> np.ndarray:
-    """[fixed, attn_1..attn_{L-2}, mlp_1..mlp_{L-2}]: each part's share of a full forward's parameter bytes."""
+def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
+
+
+def _draft_cost(sm: SwiftModel, sparse: bool) -> DraftCost:
+    """Each part's share of a full forward's parameter bytes, and the MLP bytes read per sparsity level (level 0
+    only unless `sparse`)."""
     count = lambda m: sum(p.numel() for p in m.parameters())
     layers = sm.skipper.layers
     head = sm.lm_head.weight.shape[0] * sm.lm_head.weight.shape[1]
     draft_head = head if sm.draft_weight is None else sm.draft_weight.numel()
-    attn = [count(m.self_attn) for m in layers]
-    mlp = [count(m.mlp) for m in layers]
-    total = sum(attn) + sum(mlp) + head
-    fixed = attn[0] + mlp[0] + attn[-1] + mlp[-1] + draft_head
-    return np.array([fixed, *attn[1:-1], *mlp[1:-1]], dtype=np.float64) / total
+    attn = np.array([count(m.self_attn) for m in layers], dtype=np.float64)
+    mlp = np.array([count(m.mlp) for m in layers], dtype=np.float64)
+    total = attn.sum() + mlp.sum() + head
+    read = (1.0,)
+    if sparse:
+        roles = [(m.role, m.weight.numel()) for m in layers[0].mlp.modules() if getattr(m, "role", "")]
+        down = sum(n for r, n in roles if r == "down") / sum(n for _, n in roles)
+        read = tuple((1 - down) * (1 - s_in) + down * (1 - s_down) for s_in, s_down in fastpath.SPARSITY_LEVELS)
+    fixed = (attn[0] + attn[-1] + draft_head) / total
+    return DraftCost(fixed, attn[1:-1] / total, mlp[1:-1] / total, (mlp[0] + mlp[-1]) / total, read)
 
 
 class _collinearity:

@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,10 @@ class Kernel:
         self._fn = getattr(self._lib, f"sd_linear_{isa}")
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn.restype = None
+        self._fn_t = getattr(self._lib, f"sd_linear_t_{isa}")
+        self._fn_t.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2
+        self._fn_t.argtypes += [ctypes.c_int]
+        self._fn_t.restype = None
         self._attn = getattr(self._lib, f"sd_attention_{isa}")
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
@@ -155,6 +160,21 @@ class Kernel:
         self._fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
         return y
 
+    def linear_t(self, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, thr: float = 0.0) -> torch.Tensor:
+        """x [..., K] fp32, wt [K, N] contiguous fp32 (the weight transposed), b [N] or None -> [..., N].
+
+        thr > 0: inputs with |x| <= thr count as zero and their weight rows are not read (sparse draft)."""
+        k, n = wt.shape
+        x2 = x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        xs = torch.empty((m, k) if thr > 0 else (0,), dtype=torch.float32)
+        idx = torch.empty(k, dtype=torch.int32)
+        bias = b.data_ptr() if b is not None else None
+        args = (x2.data_ptr(), wt.data_ptr(), bias, y.data_ptr(), m, n, k, thr, xs.data_ptr(), idx.data_ptr())
+        self._fn_t(*args, torch.get_num_threads())
+        return y
+
 
 _KERNELS: dict[str, Kernel] = {}
 
@@ -183,25 +203,79 @@ def _self_test(kernel: Kernel) -> None:
         raise KernelUnavailable(f"kernel self-test failed (max error {(got - want).abs().max():.2e})")
 
 
+# Activation-sparse drafting (MLP inputs): level -> (fraction of gate/up inputs, fraction of down inputs) that a
+# draft forward treats as zero, the smallest in magnitude. Level 0 is dense.
+SPARSITY_LEVELS = ((0.0, 0.0), (0.2, 0.4), (0.3, 0.5), (0.4, 0.6), (0.5, 0.7), (0.6, 0.8))
+
+
 class FastLinear(nn.Linear):
-    """nn.Linear whose fp32 CPU forward runs the skinny kernel (unless autograd needs a graph)."""
+    """nn.Linear whose fp32 CPU forward runs the skinny kernel (unless autograd needs a graph).
+
+    MLP projections are stored transposed (`weight` is a [N, K] view of a contiguous [K, N] tensor, same values)
+    so that a draft forward can read only the weight rows of its largest inputs: while `FastLinear.level` > 0,
+    inputs with |x| at or below this layer's threshold for that level count as zero. Thresholds are the
+    quantiles of |x| seen in the last `calibrating` forward (the prompt's prefill).
+    """
 
     kernel: Kernel | None = None
+    level: int = 0  # class-wide: activation-sparsity level of the current (draft) forward
+    calibrating: bool = False  # class-wide: record this forward's |x| quantiles as the thresholds
+    role: str = ""  # "in" (gate/up: input is the hidden state) or "down" (input is the MLP activation)
+    thresholds: torch.Tensor | None = None  # [len(SPARSITY_LEVELS)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
+        thr = self._threshold(x)
         if (
             self.kernel is None
             or x.dtype != torch.float32
             or w.dtype != torch.float32
             or x.device.type != "cpu"
             or x.numel() == 0
-            or not w.is_contiguous()
+            or not (w.is_contiguous() or w.t().is_contiguous())
             or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            return F.linear(x, w, b)
-        return self.kernel.linear(x, w, b)
+            return F.linear(x if thr <= 0 else torch.where(x.abs() > thr, x, 0.0), w, b)
+        if w.is_contiguous():
+            return self.kernel.linear(x, w, b)
+        return self.kernel.linear_t(x, w.t(), b, thr)
+
+    def _threshold(self, x: torch.Tensor) -> float:
+        if not self.role:
+            return 0.0
+        if FastLinear.calibrating:
+            sample = x.detach().reshape(-1)[:: max(1, x.numel() // 2048)].abs().float().sort().values
+            self.thresholds = sample[[int(f[self.role == "down"] * (len(sample) - 1)) for f in SPARSITY_LEVELS]]
+            self.thresholds[0] = 0.0
+        if FastLinear.level == 0 or self.thresholds is None:
+            return 0.0
+        return float(self.thresholds[FastLinear.level])
+
+
+@contextmanager
+def sparse_draft(level: int):
+    """Forwards inside run activation-sparse at `level` (0: dense)."""
+    previous, FastLinear.level = FastLinear.level, level
+    try:
+        yield
+    finally:
+        FastLinear.level = previous
+
+
+@contextmanager
+def calibrate():
+    """The forward inside sets every MLP projection's sparsity thresholds from its inputs."""
+    FastLinear.calibrating = True
+    try:
+        yield
+    finally:
+        FastLinear.calibrating = False
+
+
+def sparse_capable(model: nn.Module) -> bool:
+    """Whether the model's MLP projections run on the transposed kernel (so sparse drafts read less)."""
+    return any(isinstance(m, FastLinear) and m.role and m.weight.t().is_contiguous() for m in model.modules())
 
 
 def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -244,11 +318,31 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
+def _mlp_linears(model: nn.Module) -> list[tuple[nn.Linear, str]]:
+    """(linear, role) for the MLP projections of each decoder layer: "down" writes the hidden size, "in" reads it."""
+    from swiftdecode.skip import decoder_layers
+
+    try:
+        layers = decoder_layers(model)
+    except UserError:
+        return []
+    return [
+        (m, "down" if m.out_features < m.in_features else "in")
+        for layer in layers
+        for m in layer.mlp.modules()
+        if isinstance(m, nn.Linear)
+    ]
+
+
 def restore(model: nn.Module) -> None:
-    """Undo `accelerate`: every FastLinear becomes a plain nn.Linear again."""
+    """Undo `accelerate`: every FastLinear becomes a plain nn.Linear again, with a contiguous weight."""
     for m in _linears(model):
         if isinstance(m, FastLinear):
             m.__class__ = nn.Linear
+            if not m.weight.is_contiguous():
+                m.weight.data = m.weight.data.contiguous()
+            for attr in ("role", "thresholds"):
+                m.__dict__.pop(attr, None)
     previous = getattr(model, "_swiftdecode_attn", None)
     if previous is not None:
         model.set_attn_implementation(previous)
@@ -282,6 +376,10 @@ def accelerate(model: nn.Module, mode: str = "auto") -> FastPathInfo:
     for m in linears:
         if m.weight.dtype == torch.float32:
             m.__class__ = FastLinear
+    for m, role in _mlp_linears(model):  # transposed storage: sparse drafts read only the rows they need
+        if isinstance(m, FastLinear) and m.out_features % 16 == 0:
+            m.weight.data = m.weight.data.t().contiguous().t()
+            m.role = role
     n = sum(isinstance(m, FastLinear) for m in linears)
     reason = f"{kernel.isa} batch-invariant skinny GEMM ({n} linear layers)"
     config = getattr(model, "config", None)

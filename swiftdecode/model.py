@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from swiftdecode import fastpath
 from swiftdecode.cache import SwiftCache
 from swiftdecode.skip import LayerSkipper, SkipSet
 from swiftdecode.tree import attention_mask
@@ -53,7 +54,7 @@ class SwiftModel:
         if self.layer_types:
             sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
             mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
-        with self.skipper.use(skip):
+        with self.skipper.use(skip), fastpath.sparse_draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=positions[None].to(self.device),
@@ -82,12 +83,22 @@ class SwiftModel:
         """Draft logits [q, V'] over the draft vocabulary and the ids of its columns (None = full vocabulary)."""
         if self.draft_weight is None:
             return self.logits(hidden), None
-        return self._cap(hidden @ self.draft_weight.T).float(), self.draft_ids
+        kernel = fastpath.FastLinear.kernel
+        fast = kernel is not None and isinstance(self.lm_head, fastpath.FastLinear) and hidden.dtype == torch.float32
+        logits = kernel.linear(hidden, self.draft_weight, None) if fast else hidden @ self.draft_weight.T
+        return self._cap(logits).float(), self.draft_ids
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
-        """Score drafts over these token ids only (verification always uses the full vocabulary)."""
+        """Score drafts over these token ids only (verification always uses the full vocabulary). A set of the
+        same size as the current one is updated in place: only the rows of the tokens that change are copied."""
         if ids is None:
             self.draft_ids = self.draft_weight = None
             return
-        self.draft_ids = ids.to(self.device)
-        self.draft_weight = self.lm_head.weight.index_select(0, self.draft_ids)
+        ids = ids.to(self.device)
+        if self.draft_ids is None or len(ids) != len(self.draft_ids):
+            self.draft_ids, self.draft_weight = ids, self.lm_head.weight.index_select(0, ids)
+            return
+        slots = torch.nonzero(~torch.isin(self.draft_ids, ids)).flatten()
+        new = ids[~torch.isin(ids, self.draft_ids)]
+        self.draft_ids[slots] = new
+        self.draft_weight[slots] = self.lm_head.weight.index_select(0, new)

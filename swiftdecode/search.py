@@ -29,6 +29,25 @@ class SearchConfig:
     max_overhead: float = 0.03  # search only while its time stays below this share of decoding time
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """Shares of a full forward's parameter bytes: `fixed` (embeddings, draft head, first/last attention),
+    `attn[i]` / `mlp[i]` for inner layers 1..L−2, `mlp_edge` (first/last MLP, never skipped), and per sparsity
+    level the fraction of MLP bytes a sparse draft still reads (`read[0] == 1`)."""
+
+    fixed: float
+    attn: np.ndarray
+    mlp: np.ndarray
+    mlp_edge: float
+    read: tuple[float, ...] = (1.0,)
+
+    def __call__(self, skip: SkipSet) -> float:
+        keep_attn = np.array([i + 1 not in skip.attn for i in range(len(self.attn))])
+        keep_mlp = np.array([i + 1 not in skip.mlp for i in range(len(self.mlp))])
+        mlp = self.mlp_edge + float(self.mlp @ keep_mlp)
+        return float(self.fixed + self.attn @ keep_attn + self.read[skip.sparsity] * mlp)
+
+
 def expected_speedup(alpha: float, cost: float, verify_cost: float, max_depth: int) -> float:
     """Best over chain depths γ of E[tokens per round] / (γ·draft cost + verify cost), in 1-token forwards."""
     alpha = min(alpha, 0.999)
@@ -38,8 +57,8 @@ def expected_speedup(alpha: float, cost: float, verify_cost: float, max_depth: i
 class LayerSearch:
     """Search state that lives across requests: candidates tried, the best set, and whether to keep searching."""
 
-    def __init__(self, n_layers: int, costs: np.ndarray, cfg: SearchConfig, init: SkipSet, seed: int = 0):
-        self.n_layers, self.costs, self.cfg = n_layers, costs, cfg
+    def __init__(self, n_layers: int, cost: DraftCost, cfg: SearchConfig, init: SkipSet, seed: int = 0):
+        self.n_layers, self.cost, self.cfg = n_layers, cost, cfg
         self.rng = np.random.default_rng(seed)
         self.best, self.best_score, self.best_alpha = init, -1.0, 0.0
         self.X: list[np.ndarray] = []
@@ -52,10 +71,6 @@ class LayerSearch:
     @property
     def state(self) -> str:
         return "searching" if self.searching else "converged"
-
-    def cost(self, skip: SkipSet) -> float:
-        """Draft forward cost relative to a full forward, from the parameter bytes each sublayer reads."""
-        return float(self.costs[0] + (1 - skip.to_vector(self.n_layers)) @ self.costs[1:])
 
     def score(self, skip: SkipSet, alpha: float) -> float:
         if self.cfg.fixed_ratio is not None:
@@ -100,18 +115,24 @@ class LayerSearch:
             self.X, self.y, self.best_score = [], [], -1.0
 
     def _local_move(self, v: np.ndarray) -> np.ndarray:
-        """Flip 1-3 bits (SWIFT-style fixed ratio: swap a skipped and a kept sublayer instead)."""
+        """Flip 1-3 skip bits, or (one time in three) step the sparsity level by one; SWIFT-style fixed ratio:
+        swap a skipped and a kept sublayer instead."""
         v = v.copy()
-        on, off = np.flatnonzero(v > 0.5), np.flatnonzero(v < 0.5)
+        levels = len(self.cost.read)
+        if self.cfg.fixed_ratio is None and levels > 1 and self.rng.random() < 1 / 3:
+            v[-1] = np.clip(v[-1] + self.rng.choice((-1, 1)), 0, levels - 1)
+            return v
+        bits = v[:-1]  # a view: moves below edit v
+        on, off = np.flatnonzero(bits > 0.5), np.flatnonzero(bits < 0.5)
         if self.cfg.fixed_ratio is not None:
             if self.evals < self.cfg.beta:  # explore: fresh random sets of the fixed size
-                v[:] = 0
-                v[self.rng.choice(len(v), size=len(on), replace=False)] = 1
+                bits[:] = 0
+                bits[self.rng.choice(len(bits), size=len(on), replace=False)] = 1
             elif len(on) and len(off):
-                v[self.rng.choice(on)], v[self.rng.choice(off)] = 0, 1
+                bits[self.rng.choice(on)], bits[self.rng.choice(off)] = 0, 1
             return v
-        for i in self.rng.choice(len(v), size=int(self.rng.integers(1, 4)), replace=False):
-            v[i] = 1 - v[i]
+        for i in self.rng.choice(len(bits), size=int(self.rng.integers(1, 4)), replace=False):
+            bits[i] = 1 - bits[i]
         return v
 
     def _ucb_pick(self) -> np.ndarray:

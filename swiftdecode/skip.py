@@ -17,30 +17,34 @@ from swiftdecode.errors import UserError
 
 @dataclass(frozen=True)
 class SkipSet:
-    """Indices of decoder layers whose attention / MLP are skipped (first and last layer never are)."""
+    """The draft model: decoder layers whose attention / MLP are skipped (first and last layer never are), and
+    the activation-sparsity level of the MLPs that run (`fastpath.SPARSITY_LEVELS`; 0 = dense)."""
 
     attn: frozenset[int] = frozenset()
     mlp: frozenset[int] = frozenset()
+    sparsity: int = 0
 
     @property
     def size(self) -> int:
         return len(self.attn) + len(self.mlp)
 
     def to_vector(self, n_layers: int) -> np.ndarray:
-        """Binary vector of length 2·(L−2): attention bits of layers 1..L−2, then MLP bits."""
+        """Length 2·(L−2)+1: attention bits of layers 1..L−2, then MLP bits, then the sparsity level."""
         inner = range(1, n_layers - 1)
-        return np.array([i in self.attn for i in inner] + [i in self.mlp for i in inner], dtype=np.float64)
+        bits = [i in self.attn for i in inner] + [i in self.mlp for i in inner]
+        return np.array([*bits, self.sparsity], dtype=np.float64)
 
     @classmethod
     def from_vector(cls, v: np.ndarray) -> SkipSet:
-        n = len(v) // 2
+        n = (len(v) - 1) // 2
         return cls(
             frozenset(i + 1 for i in range(n) if v[i] > 0.5),
             frozenset(i + 1 for i in range(n) if v[n + i] > 0.5),
+            int(round(v[-1])),
         )
 
-    def to_dict(self) -> dict[str, list[int]]:
-        return {"attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+    def to_dict(self) -> dict[str, list[int] | int]:
+        return {"attn": sorted(self.attn), "mlp": sorted(self.mlp), "sparsity": self.sparsity}
 
     @classmethod
     def uniform(cls, n_layers: int, ratio: float = 0.5) -> SkipSet:
@@ -53,7 +57,7 @@ class SkipSet:
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a Hugging Face causal LM, checked for the usual `self_attn` / `mlp` structure."""
-    base = getattr(model, model.base_model_prefix, model)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     layers = getattr(base, "layers", None)
     if layers is None or not all(hasattr(m, "self_attn") and hasattr(m, "mlp") for m in layers):
         raise UserError(

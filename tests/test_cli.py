@@ -7,6 +7,7 @@ import json
 import pytest
 
 from swiftdecode.cli import main
+from swiftdecode.fastpath import SPARSITY_LEVELS
 
 KEYS = {"text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate"}
 
@@ -21,7 +22,8 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
     for rec in lines:
         assert KEYS | {"draft_rounds", "skip", "time_split"} <= rec.keys()
         assert 0 < rec["new_tokens"] == len(rec["token_ids"]) <= 12
-        assert set(rec["skip"]) == {"attn", "mlp"}
+        assert set(rec["skip"]) == {"attn", "mlp", "sparsity"}
+        assert rec["skip"]["sparsity"] in range(len(SPARSITY_LEVELS))
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from swiftdecode import Generator, UserError
+from swiftdecode import Generator, UserError, fastpath
 from swiftdecode.cache import SwiftCache
 from swiftdecode.sampling import Sampler, SamplingParams, probabilities
-from swiftdecode.search import LayerSearch, SearchConfig, expected_speedup
+from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import Tree, attention_mask
 from swiftdecode.verification import verify
@@ -107,35 +107,49 @@ def test_sampler_noise_is_fixed_per_position():
 
 
 def test_skipset_vector_roundtrip_and_uniform():
-    s = SkipSet(frozenset({1, 4}), frozenset({2}))
+    s = SkipSet(frozenset({1, 4}), frozenset({2}), sparsity=3)
     assert SkipSet.from_vector(s.to_vector(6)) == s
     u = SkipSet.uniform(30, 0.5)
     assert len(u.attn) == 14 and 0 not in u.attn and 29 not in u.attn
 
 
+def test_draft_cost_counts_skipped_sublayers_and_sparsity():
+    cost = DraftCost(0.1, np.full(3, 0.05), np.full(3, 0.2), 0.1, read=(1.0, 0.5))
+    assert math.isclose(cost(SkipSet()), 0.1 + 0.15 + 0.7)
+    assert math.isclose(cost(SkipSet(frozenset({1}), frozenset({2, 3}))), 0.1 + 0.1 + 0.3)
+    assert math.isclose(cost(SkipSet(mlp=frozenset({2, 3}), sparsity=1)), 0.1 + 0.15 + 0.15)
+
+
 def test_search_moves_to_better_sets_and_stops():
-    costs = np.full(1 + 2 * 8, 1 / 17)
-    search = LayerSearch(10, costs, SearchConfig(beta=5, patience=15, max_evals=200), SkipSet())
+    cost = DraftCost(1 / 17, np.full(8, 1 / 17), np.full(8, 1 / 17), 0.0, read=(1.0, 0.8, 0.6))
+    search = LayerSearch(10, cost, SearchConfig(beta=5, patience=15, max_evals=300), SkipSet())
     good = {1, 2, 3}
-    for _ in range(200):
+    for _ in range(300):
         if not search.searching:
             break
         cand = search.propose()
-        alpha = 0.95 - 0.1 * len(cand.attn ^ good) - 0.1 * len(cand.mlp)
+        alpha = 0.95 - 0.1 * len(cand.attn ^ good) - 0.1 * len(cand.mlp) - 0.1 * (cand.sparsity == 2)
         search.record(cand, max(alpha, 0.0))
     assert not search.searching
     assert search.best.attn == good and not search.best.mlp
+    assert search.best.sparsity == 1  # cheaper than dense at the same matchness; level 2 costs matchness
     assert expected_speedup(0.9, 0.3, 1.1, 8) > expected_speedup(0.5, 0.3, 1.1, 8) > 0
 
 
-def test_matchness_one_forward_equals_step_by_step_drafting(smollm):
-    """The window forward's per-position draft predictions equal fresh one-token skip-model drafts."""
+@pytest.mark.parametrize("sparsity", [0, 3])
+def test_matchness_one_forward_equals_step_by_step_drafting(smollm, sparsity):
+    """The window forward's per-position draft predictions equal fresh one-token skip-model drafts (dense and
+    activation-sparse drafts: a row's sparse product does not depend on the other rows)."""
     model, tok = smollm
-    gen = Generator(model, tok, method="uniform")
+    gen = Generator(model, tok, method="swift")
     ids = gen.chat_ids([{"role": "user", "content": "List three facts about the Moon."}])
-    res = gen.generate(ids, max_new_tokens=12)
+    res = gen.generate(ids, max_new_tokens=12)  # calibrates the sparsity thresholds on this prompt
     ctx = ids + res.token_ids
-    sm, skip, W = gen.sm, gen.skip, 8
+    uniform = SkipSet.uniform(gen.sm.n_layers, 0.3)
+    if sparsity:
+        assert fastpath.sparse_capable(model)
+        assert all(m.thresholds is not None for m in model.modules() if getattr(m, "role", ""))
+    sm, skip, W = gen.sm, SkipSet(uniform.attn, uniform.mlp, sparsity), 8
     sm.reset()
     sm.prefill(ctx[:-1])
     P = sm.cache.length

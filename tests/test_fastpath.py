@@ -55,6 +55,37 @@ def test_kernel_is_batch_invariant(any_kernel):
             assert torch.equal(got, alone[start : start + m]), f"M={m} start={start}"
 
 
+@pytest.mark.parametrize("n,k", [(64, 96), (512, 77), (48, 1536)])
+def test_transposed_kernel_matches_torch_and_is_batch_invariant(any_kernel, n, k):
+    """The MLP layout (weight stored [K, N]): equal to torch to rounding, each row bit-identical to the 1-row
+    product, with every path (one row, L1 accumulators, register tiles) and with a bias."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    wt = w.t().contiguous()
+    x = torch.randn(130, k, generator=g)
+    alone = torch.cat([any_kernel.linear_t(x[i : i + 1], wt, b) for i in range(len(x))])
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
+    for m in [2, 3, 5, 8, 16, 17, 23, 24, 25, 32, 64, 130]:
+        for start in (0, len(x) - m):
+            assert torch.equal(any_kernel.linear_t(x[start : start + m], wt, b), alone[start : start + m]), m
+
+
+def test_sparse_kernel_treats_small_inputs_as_zero(any_kernel):
+    """With a threshold, inputs with |x| <= thr count as zero: bit-identical to the dense product of the masked
+    input, row by row whatever the other rows select (what makes one-forward matchness exact)."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(96, 300, generator=g), torch.randn(96, generator=g)
+    wt = w.t().contiguous()
+    x = torch.randn(9, 300, generator=g)
+    for thr in (0.3, 1.0, 2.5):
+        masked = torch.where(x.abs() > thr, x, 0.0)
+        got = any_kernel.linear_t(x, wt, b, thr)
+        assert torch.equal(got, any_kernel.linear_t(masked, wt, b))
+        assert all(torch.equal(any_kernel.linear_t(x[i : i + 1], wt, b, thr), got[i : i + 1]) for i in range(9))
+        torch.testing.assert_close(got, F.linear(masked, w, b), rtol=1e-5, atol=1e-4)
+    assert not torch.equal(any_kernel.linear_t(x, wt, b, 1.0), any_kernel.linear_t(x, wt, b))
+
+
 def test_kernel_shapes_and_threads(kernel):
     w = torch.randn(40, 33)
     x = torch.randn(2, 3, 33)

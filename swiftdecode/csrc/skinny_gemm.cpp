@@ -21,6 +21,8 @@ typedef __m512 vf;
 #define VW 16
 #define MB 6
 #define NB 4
+#define RT 6  // transposed kernel register tile: RT rows x VT vectors
+#define VT 4
 static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vf vload_tail(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
@@ -40,12 +42,15 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vpow2_mul(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
 #define SD_NAME sd_linear_avx512
+#define SD_NAME_T sd_linear_t_avx512
 #define SD_ATTN sd_attention_avx512
 #else
 typedef __m256 vf;
 #define VW 8
 #define MB 2
 #define NB 4
+#define RT 4
+#define VT 2
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vload_tail(const float* p, int n) {
@@ -70,6 +75,7 @@ static inline vf vpow2_mul(vf y, vf n) {  // y * 2^n for integral n in [-126, 12
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #define SD_NAME sd_linear_avx2
+#define SD_NAME_T sd_linear_t_avx2
 #define SD_ATTN sd_attention_avx2
 #endif
 
@@ -150,6 +156,166 @@ extern "C" void SD_NAME(const float* x, const float* w, const float* b, float* y
         const int64_t share = NB * K / tiles;
         const float* pf = M > 1 ? w + (n0 + NB) * K + (m0 - mc) / per * share : nullptr;
         tile_mn(mt, nt, x + m0 * K, K, w + n0 * K, K, y + m0 * N + n0, N, b ? b + n0 : nullptr, pf, share);
+      }
+    }
+  }
+}
+
+// The same product with the weight stored transposed, wt: [K,N] contiguous (N a multiple of VW), and optionally
+// sparse in its input: only the k where some row has |x[m,k]| > thr are read, other inputs count as zero
+// (thr <= 0: dense). Reading only the selected rows of wt is what makes an activation-sparse draft cheap.
+// Batch-invariant as above: y[m,n] is the chain of fmas over the selected k in increasing order, starting from
+// zero, in lane n % VW of one vector; M, the blocking and the thread split do not change it (an fma with a
+// zeroed input adds exactly zero). Blocking: rows in MT_T chunks, columns in slices whose accumulators fit in
+// L1 (one row: the thread's whole column range, so each weight row is one contiguous read), k in groups of 4
+// (four weight vectors reused across the row chunk).
+// Register tile of the transposed kernel for many rows: R rows x V vectors of columns, accumulated over the
+// selected k in order from zero (the same fma chain per lane as the one-row path), then stored (+ bias).
+template <int R, int V>
+static inline void tile_t(const float* __restrict__ x, int64_t K, const float* __restrict__ wt, int64_t N,
+                          const int32_t* __restrict__ idx, int64_t nk, float* __restrict__ y,
+                          const float* __restrict__ b) {
+  vf acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = vzero();
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t k = idx[j];
+    if (j + 8 < nk)
+      for (int v = 0; v < V; ++v) _mm_prefetch((const char*)(wt + idx[j + 8] * N + v * VW), _MM_HINT_T0);
+    vf w[V];
+    for (int v = 0; v < V; ++v) w[v] = vload(wt + k * N + v * VW);
+    for (int i = 0; i < R; ++i) {
+      const vf xb = vset1(x[i * K + k]);
+      for (int v = 0; v < V; ++v) acc[i][v] = vfma(xb, w[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) vstore(y + i * N + v * VW, b ? vadd(acc[i][v], vload(b + v * VW)) : acc[i][v]);
+}
+
+template <int R>
+static void tile_t_v(int nv, const float* x, int64_t K, const float* wt, int64_t N, const int32_t* idx, int64_t nk,
+                     float* y, const float* b) {
+  switch (nv) {
+#if VT >= 4
+    case 4: tile_t<R, 4>(x, K, wt, N, idx, nk, y, b); break;
+    case 3: tile_t<R, 3>(x, K, wt, N, idx, nk, y, b); break;
+#endif
+    case 2: tile_t<R, 2>(x, K, wt, N, idx, nk, y, b); break;
+    default: tile_t<R, 1>(x, K, wt, N, idx, nk, y, b); break;
+  }
+}
+
+static void tile_t_rv(int nr, int nv, const float* x, int64_t K, const float* wt, int64_t N, const int32_t* idx,
+                      int64_t nk, float* y, const float* b) {
+  switch (nr) {
+#if RT >= 6
+    case 6: tile_t_v<6>(nv, x, K, wt, N, idx, nk, y, b); break;
+    case 5: tile_t_v<5>(nv, x, K, wt, N, idx, nk, y, b); break;
+#endif
+    case 4: tile_t_v<4>(nv, x, K, wt, N, idx, nk, y, b); break;
+    case 3: tile_t_v<3>(nv, x, K, wt, N, idx, nk, y, b); break;
+    case 2: tile_t_v<2>(nv, x, K, wt, N, idx, nk, y, b); break;
+    default: tile_t_v<1>(nv, x, K, wt, N, idx, nk, y, b); break;
+  }
+}
+
+#define MT_T 16
+#ifndef RT_MIN
+#define RT_MIN 24  // rows from which the register-tile path is used (below: the L1-accumulator path is faster)
+#endif
+#define G_T 8  // k per group
+#define ACC_T 6144  // accumulator floats per thread (24 KB, in L1): column slice = ACC_T / rows
+extern "C" void SD_NAME_T(const float* __restrict__ x, const float* __restrict__ wt, const float* __restrict__ b,
+                          float* __restrict__ y, int64_t M, int64_t N, int64_t K, float thr, float* __restrict__ xs,
+                          int32_t* __restrict__ idx, int nthreads) {
+  int64_t nk = 0;
+  if (thr > 0) {  // selected k (any row above the threshold) and the input with the rest zeroed
+    for (int64_t k = 0; k < K; ++k) {
+      bool any = false;
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = x[m * K + k];
+        const bool on = fabsf(v) > thr;
+        xs[m * K + k] = on ? v : 0.0f;
+        any |= on;
+      }
+      if (any) idx[nk++] = (int32_t)k;
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) idx[k] = (int32_t)k;
+    nk = K;
+  }
+  const bool sparse = thr > 0;
+  const float* __restrict__ xin = sparse ? xs : x;
+  const int64_t chunks = N / VW;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t c0 = chunks * t / T, c1 = chunks * (t + 1) / T;
+    if (M >= RT_MIN) {  // many rows: register tiles, RT rows at a time over VT-vector column blocks
+      const int64_t tiles = (M + RT - 1) / RT, per = (M + tiles - 1) / tiles;  // balanced row tiles
+      for (int64_t n = c0 * VW; n < c1 * VW; n += VT * VW) {
+        const int nv = (int)((c1 * VW - n) / VW < VT ? (c1 * VW - n) / VW : VT);
+        for (int64_t r = 0; r < M; r += per) {
+          const int nr = (int)(M - r < per ? M - r : per);
+          tile_t_rv(nr, nv, xin + r * K, K, wt + n, N, idx, nk, y + r * N + n, b ? b + n : nullptr);
+        }
+      }
+    }
+    for (int64_t m0 = 0; m0 < (M >= RT_MIN ? 0 : M); m0 += MT_T) {
+      const int64_t mt = M - m0 < MT_T ? M - m0 : MT_T;
+      const int64_t nc = (ACC_T / mt) / VW * VW;
+      for (int64_t s0 = c0 * VW; s0 < c1 * VW; s0 += nc) {
+        const int64_t s1 = s0 + nc < c1 * VW ? s0 + nc : c1 * VW;
+        for (int64_t m = m0; m < m0 + mt; ++m)
+          for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vzero());
+        int64_t j = 0;
+        for (; j + G_T <= nk; j += G_T) {
+          const float* w[G_T];
+          const float* p[G_T];
+          const int64_t jn = j + 2 * G_T <= nk ? j + G_T : j;  // prefetch the next group's rows (sparse: jumps)
+          for (int g = 0; g < G_T; ++g) w[g] = wt + idx[j + g] * N, p[g] = wt + idx[jn + g] * N;
+          if (mt == 1) {  // one row (decoding): its inputs stay in registers
+            vf xb[G_T];
+            for (int g = 0; g < G_T; ++g) xb[g] = vset1(xin[m0 * K + idx[j + g]]);
+            float* __restrict__ ym = y + m0 * N;
+            for (int64_t n = s0; n < s1; n += VW) {
+              vf acc = vload(ym + n);
+              for (int g = 0; g < G_T; ++g) {
+                _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
+                acc = vfma(xb[g], vload(w[g] + n), acc);
+              }
+              vstore(ym + n, acc);
+            }
+            continue;
+          }
+          for (int64_t n = s0; n < s1; n += VW) {
+            vf a[G_T];
+            for (int g = 0; g < G_T; ++g) {
+              _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
+              a[g] = vload(w[g] + n);
+            }
+            for (int64_t m = m0; m < m0 + mt; ++m) {
+              const float* __restrict__ xm = xin + m * K;
+              vf acc = vload(y + m * N + n);
+              for (int g = 0; g < G_T; ++g) acc = vfma(vset1(xm[idx[j + g]]), a[g], acc);
+              vstore(y + m * N + n, acc);
+            }
+          }
+        }
+        for (; j < nk; ++j) {
+          const int64_t k0 = idx[j];
+          for (int64_t n = s0; n < s1; n += VW) {
+            const vf a0 = vload(wt + k0 * N + n);
+            for (int64_t m = m0; m < m0 + mt; ++m) {
+              vf acc = vload(y + m * N + n);
+              vstore(y + m * N + n, vfma(vset1(xin[m * K + k0]), a0, acc));
+            }
+          }
+        }
+        if (b)
+          for (int64_t m = m0; m < m0 + mt; ++m)
+            for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vadd(vload(y + m * N + n), vload(b + n)));
       }
     }
   }
