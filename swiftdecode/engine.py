@@ -91,6 +91,7 @@ class EngineConfig:
     window: int = 32  # matchness window (tokens)
     draft_vocab: int = 0  # score drafts over this many likely tokens only (0 = the whole vocabulary)
     sparsity: int = 0  # initial activation-sparsity level of the draft's MLPs (fastpath.SPARSITY_LEVELS)
+    adaptive: bool = True  # choose each round's kind by measured speed; False: always draft with the skip model
 
 
 def preset(method: str) -> EngineConfig:
@@ -100,9 +101,9 @@ def preset(method: str) -> EngineConfig:
         return EngineConfig(draft=compact, draft_vocab=16384, init_ratio=0.1, sparsity=3)
     if method == "swift-paper":
         paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
-        return EngineConfig(draft=DraftConfig(max_nodes=64), search=paper, init="uniform", init_ratio=0.45)
+        return EngineConfig(DraftConfig(max_nodes=64), paper, init="uniform", init_ratio=0.45, adaptive=False)
     if method == "uniform":
-        return EngineConfig(search=None, init="uniform", init_ratio=0.5)
+        return EngineConfig(search=None, init="uniform", init_ratio=0.5, adaptive=False)
     raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -117,7 +118,7 @@ class Generator:
         self.cfg = config or (preset(method) if method != "ar" else None)
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
-        self.decode_s = self.search_s = 0.0  # lifetime draft+verify and search seconds (the overhead cap)
+        self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
         self.seconds: dict[str, float | None] = {"step": None, "plain": None}  # a draft forward, a plain round
         self.rounds = 0
@@ -219,7 +220,8 @@ class Generator:
             stats.time_split["verify"] += t1 - t0
         if self.skip is None:
             return out
-        self.decode_s += t1 - t0
+        self.decode_s = 0.995 * self.decode_s + (t1 - t0)  # decayed: idle time builds up no search burst
+        self.search_s *= 0.995
         self._observe_rate(mode, len(out), t1 - t0)
         if mode == "plain":
             self.seconds["plain"] = _ema(self.seconds["plain"], t1 - t0)
@@ -287,8 +289,8 @@ class Generator:
     def _choose_mode(self) -> str:
         """How this round drafts: "draft" (skip model + n-gram branch), "ngram" (the free n-gram branch only) or
         "plain" (no draft: a one-token step, as plain decoding). Whichever has yielded the most tokens per second
-        lately, measured; every 8th round tries another one in turn. SWIFT's fixed-ratio mode always drafts."""
-        if self.search is not None and self.search.cfg.fixed_ratio is not None:
+        lately, measured; every 8th round tries another one in turn. Non-adaptive configs always draft."""
+        if not self.cfg.adaptive:
             return "draft"
         self.rounds += 1
         untried = [m for m in MODES if self.rate[m] is None]
@@ -304,12 +306,12 @@ class Generator:
         self.rate[mode] = _ema(self.rate[mode], tokens / seconds, 0.9)
 
     def _step_cost(self) -> float:
-        """Cost of one draft forward relative to a plain decoding step: measured once both have run, until then
-        estimated from the parameter bytes read plus per-layer overhead."""
+        """Cost of one draft forward relative to a plain decoding step: measured on live rounds once both kinds
+        have run, until then the search's cost model (timed at its start)."""
         if self.search is None or self.search.cfg.fixed_ratio is not None:
             return 0.0
         step, plain = self.seconds["step"], self.seconds["plain"]
-        return step / plain if step and plain else self.search.cost(self.skip) + 0.05
+        return step / plain if step and plain else self.search.cost(self.skip)
 
     def _set_draft_vocab(self, ids: list[int]) -> None:
         """Draft over the `draft_vocab` tokens most seen so far (this prompt's always in), earlier ids first
@@ -326,7 +328,8 @@ class Generator:
     def _start_search(self, init: SkipSet) -> None:
         self.skip = init
         if self.cfg.search is not None:
-            cost = _draft_cost(self.sm, self._sparse())
+            timed = self.cfg.search.fixed_ratio is None  # SWIFT's mode scores matchness alone: no costs needed
+            cost = _draft_cost(self.sm, self._sparse()) if timed else DraftCost(0.0, np.zeros(0), np.zeros(0), 0.0)
             self.search = LayerSearch(self.sm.n_layers, cost, self.cfg.search, init)
 
     def _search_step(self, ctx: list[int], pending: int) -> None:
@@ -417,22 +420,31 @@ def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
 
 
 def _draft_cost(sm: SwiftModel, sparse: bool) -> DraftCost:
-    """Each part's share of a full forward's parameter bytes, and the MLP bytes read per sparsity level (level 0
-    only unless `sparse`)."""
-    count = lambda m: sum(p.numel() for p in m.parameters())
-    layers = sm.skipper.layers
-    head = sm.lm_head.weight.shape[0] * sm.lm_head.weight.shape[1]
-    draft_head = head if sm.draft_weight is None else sm.draft_weight.numel()
-    attn = np.array([count(m.self_attn) for m in layers], dtype=np.float64)
-    mlp = np.array([count(m.mlp) for m in layers], dtype=np.float64)
-    total = attn.sum() + mlp.sum() + head
+    """Each part's share of a one-token full forward's time, timed now on the cache as it is (one-token forwards
+    of: the full model, the dense draft, the draft without inner MLPs and without any inner sublayer), and the
+    MLP bytes read per sparsity level (level 0 only unless `sparse`). Layers are assumed alike."""
+    L, P = sm.n_layers, sm.cache.length
+    inner = frozenset(range(1, L - 1))
+
+    def seconds(skip: SkipSet | None) -> float:
+        best = math.inf
+        for _ in range(2):
+            t = time.perf_counter()
+            hidden = sm.forward([0], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
+            sm.draft_logits(hidden) if skip is not None else sm.logits(hidden)
+            best = min(best, time.perf_counter() - t)
+            sm.cache.truncate(P)
+        return best
+
+    full, dense, attn_only, none = (seconds(s) for s in (None, SkipSet(), SkipSet(mlp=inner), SkipSet(inner, inner)))
+    mlp = max(dense - attn_only, 0.0) / (L - 2) / full
+    attn = max(attn_only - none, 0.0) / (L - 2) / full
     read = (1.0,)
     if sparse:
-        roles = [(m.role, m.weight.numel()) for m in layers[0].mlp.modules() if getattr(m, "role", "")]
+        roles = [(m.role, m.weight.numel()) for m in sm.skipper.layers[0].mlp.modules() if getattr(m, "role", "")]
         down = sum(n for r, n in roles if r == "down") / sum(n for _, n in roles)
         read = tuple((1 - down) * (1 - s_in) + down * (1 - s_down) for s_in, s_down in fastpath.SPARSITY_LEVELS)
-    fixed = (attn[0] + attn[-1] + draft_head) / total
-    return DraftCost(fixed, attn[1:-1] / total, mlp[1:-1] / total, (mlp[0] + mlp[-1]) / total, read)
+    return DraftCost(max(none / full - 2 * mlp, 0.0), np.full(L - 2, attn), np.full(L - 2, mlp), 2 * mlp, read)
 
 
 class _collinearity:
