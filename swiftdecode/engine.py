@@ -228,7 +228,9 @@ class Generator:
         if self.search is not None:
             if mode != "plain":
                 self.search.observe_acceptance(len(out))
-            if self.search.searching and self.search_s < self.search.cfg.max_overhead * self.decode_s:
+            generated = len(ctx) - stats.prompt_tokens  # matchness windows of this request's own output only
+            budget = self.search_s < self.search.cfg.max_overhead * self.decode_s
+            if self.search.searching and budget and generated >= self.cfg.window:
                 self._search_step(ctx + out[:-1], out[-1])
                 spent = time.perf_counter() - t1
                 stats.time_split["optimize"] += spent

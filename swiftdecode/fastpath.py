@@ -4,6 +4,8 @@ Decoding is bound by reading the weights. torch's bundled MKL takes a slow path 
 on some CPUs (AMD), so verifying k draft tokens costs 2-3x one token. `accelerate(model)` swaps each fp32
 nn.Linear (lm_head included; tied weights are used in place, nothing is copied) to `FastLinear`, whose forward
 calls a small C++ AVX-512/AVX2 kernel (csrc/skinny_gemm.cpp) that streams each weight row once for all rows.
+The decoder's MLP weights are re-laid out transposed (same values, same memory) so that a draft forward can run
+activation-sparse: it reads only the weight rows of inputs above a threshold (`sparse_draft`, `calibrate`).
 
 The kernel is batch-invariant: y[m, n] is accumulated in the same order whatever M is, so row i of an M-row
 product is bit-identical to the 1-row product. Attention (HF implementation "swiftdecode") is made invariant the
