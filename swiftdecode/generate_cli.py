@@ -90,5 +90,6 @@ def stats_line(s: dict) -> str:
     skipped = len(s["skip"]["attn"]) + len(s["skip"]["mlp"])
     return (
         f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, {s['mean_accepted_tokens']:.2f} tokens/round, "
-        f"acceptance {s['acceptance_rate']:.0%}, {skipped} sublayers skipped, search {s['search']}]"
+        f"acceptance {s['acceptance_rate']:.0%}, {skipped} sublayers skipped, MLP sparsity level "
+        f"{s['skip'].get('sparsity', 0)}, search {s['search']}]"
     )

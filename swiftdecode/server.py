@@ -281,6 +281,12 @@ class Metrics:
                 [(f'{{kind="{k}"}}', len(skip.get(k, []))) for k in ("attn", "mlp")],
             )
             metric(
+                "draft_sparsity_level",
+                "gauge",
+                "Activation-sparsity level of the draft's MLPs (0 = dense).",
+                [("", skip.get("sparsity", 0))],
+            )
+            metric(
                 "search_state",
                 "gauge",
                 "Layer-set search state (1 = current).",

@@ -301,3 +301,4 @@ def test_queue_full_disconnect_and_engine_errors(gen):
         assert m['swiftdecode_http_requests_total{path="/v1/completions",status="429"}'] == 1
         assert any(k.startswith("swiftdecode_search_state{") for k in m)
         assert 'swiftdecode_skip_layers{kind="attn"}' in m
+        assert "swiftdecode_draft_sparsity_level" in m
