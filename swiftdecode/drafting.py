@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from swiftdecode.model import SwiftModel
+from swiftdecode.sampling import Sampler, probabilities
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import Tree
 
@@ -35,9 +36,17 @@ def candidates_for(confidence: float, topk: tuple[tuple[float, int], ...]) -> in
 
 
 def draft(
-    sm: SwiftModel, tree: Tree, start: int, skip: SkipSet, cfg: DraftConfig, max_depth: int, min_prefix: float = 0.0
+    sm: SwiftModel,
+    tree: Tree,
+    start: int,
+    skip: SkipSet,
+    cfg: DraftConfig,
+    max_depth: int,
+    min_prefix: float = 0.0,
+    sampler: Sampler | None = None,
 ) -> int:
-    """Grow `tree` from its root (at position `start`) with the skip model: a chain of top-1 tokens, stopping
+    """Grow `tree` from its root (at position `start`) with the skip model: a chain of best tokens (top-1, or
+    when sampling the coupled sample, see `_candidates`), stopping
     below confidence ε, once the chain's probability falls below `min_prefix` (the cost of one more draft step,
     in full forwards) or at `max_depth`, plus top-k siblings per depth; keep the `max_nodes` candidates most
     likely to be accepted (chain prefix probability × own probability; parents always rank above children).
@@ -50,14 +59,12 @@ def draft(
     while steps < min(cfg.max_depth, max_depth):
         hidden = sm.forward([token], torch.tensor([start + steps]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
         logits, ids = sm.draft_logits(hidden)
-        probs = torch.softmax(logits[0], dim=-1)
         steps += 1
-        top_p, top = torch.topk(probs, candidates_for(float(probs.max()), cfg.topk))
-        top = (top if ids is None else ids[top]).tolist()
-        layers.append([(prefix * float(p), t) for p, t in zip(top_p, top, strict=True)])
-        if float(top_p[0]) < cfg.epsilon or prefix * float(top_p[0]) < min_prefix:
+        odds, top = _candidates(logits[0], ids, cfg, sampler, start + steps, sm.lm_head.weight.shape[0])
+        layers.append([(prefix * p, t) for p, t in zip(odds, top, strict=True)])
+        if odds[0] < cfg.epsilon or prefix * odds[0] < min_prefix:
             break
-        token, prefix = top[0], prefix * float(top_p[0])
+        token, prefix = top[0], prefix * odds[0]
     if not layers:
         return steps
     cutoff = sorted((v for layer in layers for v, _ in layer), reverse=True)[: cfg.max_nodes][-1]
@@ -71,6 +78,30 @@ def draft(
             tree.add(t, parent)
         parent = chain
     return steps
+
+
+def _candidates(
+    logits: torch.Tensor, ids: torch.Tensor | None, cfg: DraftConfig, sampler: Sampler | None, position: int, vocab: int
+) -> tuple[list[float], list[int]]:
+    """The draft's candidates for `position`, best first, with estimated acceptance probabilities.
+
+    Greedy: the top tokens of the draft distribution q, scored by q. Sampling: the target picks argmax p/E with
+    the position's seeded noise E (`Sampler`), so the draft ranks by q/E with the same noise (coupled drafting:
+    where q ≈ p both pick the same token). Its score is the margin 1 − s₂/s₁ of the best two ratios s; the
+    i-th candidate's is r₂·rᵢ with rᵢ = sᵢ/s₁.
+    """
+    if sampler is None or sampler.params.greedy:
+        probs = torch.softmax(logits, dim=-1)
+        top_p, top = torch.topk(probs, candidates_for(float(probs.max()), cfg.topk))
+        odds = top_p.tolist()
+    else:
+        noise = sampler.noise_at(position, vocab)
+        ratio = probabilities(logits, sampler.params) / (noise if ids is None else noise[ids])
+        best, top = torch.topk(ratio, 2)
+        r2 = float(best[1] / best[0]) if best[0] > 0 else 1.0
+        best, top = torch.topk(ratio, candidates_for(1.0 - r2, cfg.topk))
+        odds = [1.0 - r2] + [r2 * float(b / best[0]) for b in best[1:]]
+    return odds, (top if ids is None else ids[top]).tolist()
 
 
 def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int = 2) -> list[int]:

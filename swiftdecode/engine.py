@@ -249,7 +249,7 @@ class Generator:
         t0 = time.perf_counter()
         tree = Tree(ctx[-1])
         cfg = self.draft_cfg[sampler.params.greedy]
-        steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost()) if mode == "draft" else 0
+        steps = draft(sm, tree, P, self.skip, cfg, room - 1, self._step_cost(), sampler) if mode == "draft" else 0
         add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)), cfg.max_nodes)
         sm.cache.truncate(P)
         t1 = time.perf_counter()

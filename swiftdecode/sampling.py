@@ -52,9 +52,9 @@ class Sampler:
     def pick(self, logits: torch.Tensor, position: int) -> int:
         if self.params.greedy:
             return int(logits.argmax())
-        return int((probabilities(logits, self.params) / self._noise(position, logits.shape[-1])).argmax())
+        return int((probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1])).argmax())
 
-    def _noise(self, position: int, vocab: int) -> torch.Tensor:
+    def noise_at(self, position: int, vocab: int) -> torch.Tensor:
         """E ~ Exp(1)^V of `position`; draws are made in position order so each position's noise is fixed."""
         while self.drawn < position:
             self.drawn += 1
