@@ -11,6 +11,8 @@ from scipy.stats import chisquare
 
 from swiftdecode import Generator, UserError, fastpath
 from swiftdecode.cache import SwiftCache
+from swiftdecode.drafting import DraftConfig
+from swiftdecode.engine import EngineConfig
 from swiftdecode.sampling import Sampler, SamplingParams, probabilities
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
@@ -202,3 +204,19 @@ def test_stop_string_eos_and_max_tokens(smollm):
         ev.text for ev in gen.stream("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True)
     )
     assert streamed == full.text
+
+
+def test_coupled_sampling_draft_is_always_accepted_when_the_draft_is_the_model(smollm):
+    """With no sublayer skipped, no sparsity and the full vocabulary, the draft distribution is the model's, so
+    ranking by q/E with the target's per-position noise proposes exactly the token sampling will pick: every
+    drafted token is accepted, and the text is plain sampling's."""
+    model, tok = smollm
+    draft = DraftConfig(max_depth=6, epsilon=0.0, max_nodes=6, topk=((0.0, 1),), sampling_topk=((0.0, 1),))
+    cfg = EngineConfig(draft=draft, search=None, init="uniform", init_ratio=0.0, adaptive=False)
+    gen = Generator(model, tok, method="uniform", config=cfg)
+    assert gen.skip.size == 0
+    prompt = "Write a short poem about the sea."
+    res = gen.generate(prompt, max_new_tokens=40, temperature=1.0, seed=11, chat=True)
+    plain = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=40, temperature=1.0, seed=11, chat=True)
+    assert res.token_ids == plain.token_ids
+    assert res.stats.drafted_depth >= 20 and res.stats.acceptance_rate == 1.0
