@@ -228,14 +228,19 @@ class Generator:
         if self.search is not None:
             if mode != "plain":
                 self.search.observe_acceptance(len(out))
-            generated = len(ctx) - stats.prompt_tokens  # matchness windows of this request's own output only
-            budget = self.search_s < self.search.cfg.max_overhead * self.decode_s
-            if self.search.searching and budget and generated >= self.cfg.window:
-                self._search_step(ctx + out[:-1], out[-1])
-                spent = time.perf_counter() - t1
-                stats.time_split["optimize"] += spent
-                self.search_s += spent
+            self._maybe_search(ctx, out, stats)
         return out
+
+    def _maybe_search(self, ctx: list[int], out: list[int], stats: GenerationStats) -> None:
+        """One search step if searching, within the overhead budget, once this request has generated a whole
+        matchness window (so windows hold its own output only)."""
+        budget = self.search_s < self.search.cfg.max_overhead * self.decode_s
+        if self.search.searching and budget and len(ctx) - stats.prompt_tokens >= self.cfg.window:
+            t = time.perf_counter()
+            self._search_step(ctx + out[:-1], out[-1])
+            spent = time.perf_counter() - t
+            stats.time_split["optimize"] += spent
+            self.search_s += spent
 
     def _plain(self, ctx: list[int], sampler: Sampler) -> list[int]:
         """Plain decoding: one full forward of the last token."""
@@ -433,7 +438,8 @@ def _draft_cost(sm: SwiftModel, sparse: bool) -> DraftCost:
         for _ in range(2):
             t = time.perf_counter()
             hidden = sm.forward([0], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
-            sm.draft_logits(hidden) if skip is not None else sm.logits(hidden)
+            logits = sm.draft_logits(hidden)[0] if skip is not None else sm.logits(hidden)
+            float(logits[0, 0])  # waits for the device (GPU kernels run asynchronously)
             best = min(best, time.perf_counter() - t)
             sm.cache.truncate(P)
         return best
