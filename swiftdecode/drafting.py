@@ -97,10 +97,10 @@ def _candidates(
     else:
         noise = sampler.noise_at(position, vocab)
         ratio = probabilities(logits, sampler.params) / (noise if ids is None else noise[ids])
-        best, top = torch.topk(ratio, 2)
-        r2 = float(best[1] / best[0]) if best[0] > 0 else 1.0
-        best, top = torch.topk(ratio, candidates_for(1.0 - r2, cfg.topk))
-        odds = [1.0 - r2] + [r2 * float(b / best[0]) for b in best[1:]]
+        best, top = torch.topk(ratio, max(2, *(k for _, k in cfg.topk)))
+        r = (best / best[0]).tolist() if best[0] > 0 else [1.0] * len(best)
+        k = candidates_for(1.0 - r[1], cfg.topk)
+        top, odds = top[:k], [1.0 - r[1]] + [r[1] * ri for ri in r[1:k]]
     return odds, (top if ids is None else ids[top]).tolist()
 
 
@@ -124,7 +124,6 @@ def add_chain(tree: Tree, tokens: list[int], max_nodes: int) -> None:
     `max_nodes` nodes (the root not counted)."""
     parent = -1
     for t in tokens:
-        known = [i for i in tree.children(parent) if tree.tokens[i] == t]
-        if not known and len(tree.tokens) >= max_nodes:
+        if len(tree.tokens) >= max_nodes and all(tree.tokens[i] != t for i in tree.children(parent)):
             return
-        parent = known[0] if known else tree.add(t, parent)
+        parent = tree.add(t, parent)  # merges with an existing child

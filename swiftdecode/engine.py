@@ -120,7 +120,7 @@ class Generator:
         self.search: LayerSearch | None = None
         self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
-        self.seconds: dict[str, float | None] = {"step": None, "plain": None}  # a draft forward, a plain round
+        self.step_s: float | None = None  # measured seconds of one draft forward (EMA)
         self.rounds = 0
         vocab = self.sm.lm_head.weight.shape[0]
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
@@ -223,8 +223,6 @@ class Generator:
         self.decode_s = 0.995 * self.decode_s + (t1 - t0)  # decayed: idle time builds up no search burst
         self.search_s *= 0.995
         self._observe_rate(mode, len(out), t1 - t0)
-        if mode == "plain":
-            self.seconds["plain"] = _ema(self.seconds["plain"], t1 - t0)
         if self.search is not None:
             if mode != "plain":
                 self.search.observe_acceptance(len(out))
@@ -270,7 +268,7 @@ class Generator:
         stats.accepted_draft_tokens += len(path)
         stats.round_tokens += len(path) + 1
         if steps:
-            self.seconds["step"] = _ema(self.seconds["step"], (t1 - t0) / steps)
+            self.step_s = _ema(self.step_s, (t1 - t0) / steps)
         return [tree.tokens[i] for i in path] + [bonus]
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
@@ -317,8 +315,8 @@ class Generator:
         have run, until then the search's cost model (timed at its start)."""
         if self.search is None or self.search.cfg.fixed_ratio is not None:
             return 0.0
-        step, plain = self.seconds["step"], self.seconds["plain"]
-        return step / plain if step and plain else self.search.cost(self.skip)
+        plain_rate = self.rate["plain"]  # one token per plain round: its tokens/s is 1 / its seconds
+        return self.step_s * plain_rate if self.step_s and plain_rate else self.search.cost(self.skip)
 
     def _set_draft_vocab(self, ids: list[int]) -> None:
         """Draft over the `draft_vocab` tokens most seen so far (this prompt's always in), earlier ids first
@@ -329,7 +327,7 @@ class Generator:
         prior = 1.0 / (1.0 + torch.arange(len(self.token_counts), dtype=torch.float32))
         score = self.token_counts + prior
         score[torch.tensor(ids)] = float("inf")
-        self.sm.set_draft_vocab(torch.topk(score, min(self.cfg.draft_vocab, len(score))).indices.sort().values)
+        self.sm.set_draft_vocab(torch.topk(score, min(self.cfg.draft_vocab, len(score))).indices)
 
     # ---- layer-set search -------------------------------------------------------------------------------
     def _start_search(self, init: SkipSet) -> None:

@@ -31,9 +31,10 @@ class SearchConfig:
 
 @dataclass(frozen=True)
 class DraftCost:
-    """Shares of a full forward's parameter bytes: `fixed` (embeddings, draft head, first/last attention),
-    `attn[i]` / `mlp[i]` for inner layers 1..L−2, `mlp_edge` (first/last MLP, never skipped), and per sparsity
-    level the fraction of MLP bytes a sparse draft still reads (`read[0] == 1`)."""
+    """A draft forward's cost as shares of a full one-token forward: `fixed` (embeddings, draft head, first/last
+    attention, per-forward overhead), `attn[i]` / `mlp[i]` for inner layers 1..L−2, `mlp_edge` (first/last MLP,
+    never skipped), and per sparsity level the fraction of MLP weight bytes a sparse draft still reads
+    (`read[0] == 1`). Calling it gives the cost of a SkipSet."""
 
     fixed: float
     attn: np.ndarray

@@ -162,7 +162,9 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, sparsity):
         sm.reset()
         sm.prefill(ctx[:pos])
         h = sm.forward([ctx[pos]], torch.tensor([pos]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
-        hits.append(int(sm.draft_logits(h)[0].argmax()) == ctx[pos + 1])
+        logits, ids = sm.draft_logits(h)  # over the draft vocabulary: column j is token ids[j]
+        best = int(logits[0].argmax())
+        hits.append((best if ids is None else int(ids[best])) == ctx[pos + 1])
     sm.reset()
     sm.prefill(ctx[:-1])
     gen.cfg = type(gen.cfg)(**{**gen.cfg.__dict__, "window": W})

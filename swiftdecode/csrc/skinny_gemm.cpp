@@ -41,9 +41,7 @@ static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vpow2_mul(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
-#define SD_NAME sd_linear_avx512
-#define SD_NAME_T sd_linear_t_avx512
-#define SD_ATTN sd_attention_avx512
+#define SD_ISA avx512
 #else
 typedef __m256 vf;
 #define VW 8
@@ -74,10 +72,13 @@ static inline vf vpow2_mul(vf y, vf n) {  // y * 2^n for integral n in [-126, 12
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-#define SD_NAME sd_linear_avx2
-#define SD_NAME_T sd_linear_t_avx2
-#define SD_ATTN sd_attention_avx2
+#define SD_ISA avx2
 #endif
+#define SD_PASTE(a, b) a##_##b
+#define SD_EXPORT(a, b) SD_PASTE(a, b)  // sd_linear + avx512 -> sd_linear_avx512
+#define SD_NAME SD_EXPORT(sd_linear, SD_ISA)
+#define SD_NAME_T SD_EXPORT(sd_linear_t, SD_ISA)
+#define SD_ATTN SD_EXPORT(sd_attention, SD_ISA)
 
 // One MT x NT tile: rows x[0..MT) (stride ldx) against weight rows w[0..NT) (stride K).
 template <int MT, int NT>
@@ -221,101 +222,105 @@ static void tile_t_rv(int nr, int nv, const float* x, int64_t K, const float* wt
 }
 
 #define MT_T 16
-#ifndef RT_MIN
 #define RT_MIN 24  // rows from which the register-tile path is used (below: the L1-accumulator path is faster)
-#endif
 #define G_T 8  // k per group
 #define ACC_T 6144  // accumulator floats per thread (24 KB, in L1): column slice = ACC_T / rows
+
+// Selected k (any row with |x[m,k]| > thr) into idx, the input with the rest zeroed into xs; returns their count.
+static int64_t select_inputs(const float* __restrict__ x, int64_t M, int64_t K, float thr, float* __restrict__ xs,
+                             int32_t* __restrict__ idx) {
+  int64_t nk = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    bool any = false;
+    for (int64_t m = 0; m < M; ++m) {
+      const float v = x[m * K + k];
+      const bool on = fabsf(v) > thr;
+      xs[m * K + k] = on ? v : 0.0f;
+      any |= on;
+    }
+    if (any) idx[nk++] = (int32_t)k;
+  }
+  return nk;
+}
+
+// L1-accumulator path: y[m0..m0+mt, s0..s1) = the selected k's fmas in order (G_T weight rows per pass, the next
+// group's rows prefetched since sparse selections jump), then + bias. One row keeps its inputs in registers.
+static void slice_t(const float* __restrict__ xin, int64_t K, const float* __restrict__ wt, int64_t N,
+                    const int32_t* __restrict__ idx, int64_t nk, float* __restrict__ y, const float* __restrict__ b,
+                    int64_t m0, int64_t mt, int64_t s0, int64_t s1) {
+  for (int64_t m = m0; m < m0 + mt; ++m)
+    for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vzero());
+  int64_t j = 0;
+  for (; j + G_T <= nk; j += G_T) {
+    const float* w[G_T];
+    const float* p[G_T];
+    const int64_t jn = j + 2 * G_T <= nk ? j + G_T : j;
+    for (int g = 0; g < G_T; ++g) w[g] = wt + idx[j + g] * N, p[g] = wt + idx[jn + g] * N;
+    if (mt == 1) {
+      vf xb[G_T];
+      for (int g = 0; g < G_T; ++g) xb[g] = vset1(xin[m0 * K + idx[j + g]]);
+      for (int64_t n = s0; n < s1; n += VW) {
+        vf acc = vload(y + m0 * N + n);
+        for (int g = 0; g < G_T; ++g) {
+          _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
+          acc = vfma(xb[g], vload(w[g] + n), acc);
+        }
+        vstore(y + m0 * N + n, acc);
+      }
+      continue;
+    }
+    for (int64_t n = s0; n < s1; n += VW) {
+      vf a[G_T];
+      for (int g = 0; g < G_T; ++g) {
+        _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
+        a[g] = vload(w[g] + n);
+      }
+      for (int64_t m = m0; m < m0 + mt; ++m) {
+        vf acc = vload(y + m * N + n);
+        for (int g = 0; g < G_T; ++g) acc = vfma(vset1(xin[m * K + idx[j + g]]), a[g], acc);
+        vstore(y + m * N + n, acc);
+      }
+    }
+  }
+  for (; j < nk; ++j)
+    for (int64_t n = s0; n < s1; n += VW) {
+      const vf a0 = vload(wt + idx[j] * N + n);
+      for (int64_t m = m0; m < m0 + mt; ++m)
+        vstore(y + m * N + n, vfma(vset1(xin[m * K + idx[j]]), a0, vload(y + m * N + n)));
+    }
+  if (b)
+    for (int64_t m = m0; m < m0 + mt; ++m)
+      for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vadd(vload(y + m * N + n), vload(b + n)));
+}
+
 extern "C" void SD_NAME_T(const float* __restrict__ x, const float* __restrict__ wt, const float* __restrict__ b,
                           float* __restrict__ y, int64_t M, int64_t N, int64_t K, float thr, float* __restrict__ xs,
                           int32_t* __restrict__ idx, int nthreads) {
-  int64_t nk = 0;
-  if (thr > 0) {  // selected k (any row above the threshold) and the input with the rest zeroed
-    for (int64_t k = 0; k < K; ++k) {
-      bool any = false;
-      for (int64_t m = 0; m < M; ++m) {
-        const float v = x[m * K + k];
-        const bool on = fabsf(v) > thr;
-        xs[m * K + k] = on ? v : 0.0f;
-        any |= on;
-      }
-      if (any) idx[nk++] = (int32_t)k;
-    }
-  } else {
+  int64_t nk = K;
+  if (thr > 0)
+    nk = select_inputs(x, M, K, thr, xs, idx);
+  else
     for (int64_t k = 0; k < K; ++k) idx[k] = (int32_t)k;
-    nk = K;
-  }
-  const bool sparse = thr > 0;
-  const float* __restrict__ xin = sparse ? xs : x;
+  const float* __restrict__ xin = thr > 0 ? xs : x;
   const int64_t chunks = N / VW;
 #pragma omp parallel num_threads(nthreads)
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t c0 = chunks * t / T, c1 = chunks * (t + 1) / T;
+    const int64_t n0 = chunks * t / T * VW, n1 = chunks * (t + 1) / T * VW;  // this thread's columns
     if (M >= RT_MIN) {  // many rows: register tiles, RT rows at a time over VT-vector column blocks
       const int64_t tiles = (M + RT - 1) / RT, per = (M + tiles - 1) / tiles;  // balanced row tiles
-      for (int64_t n = c0 * VW; n < c1 * VW; n += VT * VW) {
-        const int nv = (int)((c1 * VW - n) / VW < VT ? (c1 * VW - n) / VW : VT);
+      for (int64_t n = n0; n < n1; n += VT * VW) {
+        const int nv = (int)((n1 - n) / VW < VT ? (n1 - n) / VW : VT);
         for (int64_t r = 0; r < M; r += per) {
           const int nr = (int)(M - r < per ? M - r : per);
           tile_t_rv(nr, nv, xin + r * K, K, wt + n, N, idx, nk, y + r * N + n, b ? b + n : nullptr);
         }
       }
-    }
-    for (int64_t m0 = 0; m0 < (M >= RT_MIN ? 0 : M); m0 += MT_T) {
-      const int64_t mt = M - m0 < MT_T ? M - m0 : MT_T;
-      const int64_t nc = (ACC_T / mt) / VW * VW;
-      for (int64_t s0 = c0 * VW; s0 < c1 * VW; s0 += nc) {
-        const int64_t s1 = s0 + nc < c1 * VW ? s0 + nc : c1 * VW;
-        for (int64_t m = m0; m < m0 + mt; ++m)
-          for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vzero());
-        int64_t j = 0;
-        for (; j + G_T <= nk; j += G_T) {
-          const float* w[G_T];
-          const float* p[G_T];
-          const int64_t jn = j + 2 * G_T <= nk ? j + G_T : j;  // prefetch the next group's rows (sparse: jumps)
-          for (int g = 0; g < G_T; ++g) w[g] = wt + idx[j + g] * N, p[g] = wt + idx[jn + g] * N;
-          if (mt == 1) {  // one row (decoding): its inputs stay in registers
-            vf xb[G_T];
-            for (int g = 0; g < G_T; ++g) xb[g] = vset1(xin[m0 * K + idx[j + g]]);
-            float* __restrict__ ym = y + m0 * N;
-            for (int64_t n = s0; n < s1; n += VW) {
-              vf acc = vload(ym + n);
-              for (int g = 0; g < G_T; ++g) {
-                _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
-                acc = vfma(xb[g], vload(w[g] + n), acc);
-              }
-              vstore(ym + n, acc);
-            }
-            continue;
-          }
-          for (int64_t n = s0; n < s1; n += VW) {
-            vf a[G_T];
-            for (int g = 0; g < G_T; ++g) {
-              _mm_prefetch((const char*)(p[g] + n), _MM_HINT_T0);
-              a[g] = vload(w[g] + n);
-            }
-            for (int64_t m = m0; m < m0 + mt; ++m) {
-              const float* __restrict__ xm = xin + m * K;
-              vf acc = vload(y + m * N + n);
-              for (int g = 0; g < G_T; ++g) acc = vfma(vset1(xm[idx[j + g]]), a[g], acc);
-              vstore(y + m * N + n, acc);
-            }
-          }
-        }
-        for (; j < nk; ++j) {
-          const int64_t k0 = idx[j];
-          for (int64_t n = s0; n < s1; n += VW) {
-            const vf a0 = vload(wt + k0 * N + n);
-            for (int64_t m = m0; m < m0 + mt; ++m) {
-              vf acc = vload(y + m * N + n);
-              vstore(y + m * N + n, vfma(vset1(xin[m * K + k0]), a0, acc));
-            }
-          }
-        }
-        if (b)
-          for (int64_t m = m0; m < m0 + mt; ++m)
-            for (int64_t n = s0; n < s1; n += VW) vstore(y + m * N + n, vadd(vload(y + m * N + n), vload(b + n)));
+    } else {
+      for (int64_t m0 = 0; m0 < M; m0 += MT_T) {
+        const int64_t mt = M - m0 < MT_T ? M - m0 : MT_T, nc = (ACC_T / mt) / VW * VW;
+        for (int64_t s0 = n0; s0 < n1; s0 += nc)
+          slice_t(xin, K, wt, N, idx, nk, y, b, m0, mt, s0, s0 + nc < n1 ? s0 + nc : n1);
       }
     }
   }
