@@ -18,12 +18,38 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def load(name_or_path: str = "smollm2-135m", *, fast_path: str = "auto", cache_dir: str | None = None, **kwargs):
+def load(
+    name_or_path: str = "smollm2-135m", *, fast_path: str = "auto", cache_dir: str | None = None,
+    weights: str = "gguf", progress: bool = True,
+):  # fmt: skip
     """Load a registry model, HF folder, .gguf file or hub id as (model, tokenizer), with the fast CPU
-    matmul path installed (`fast_path="torch"` keeps torch's own)."""
-    from swiftdecode.fastpath import accelerate
-    from swiftdecode.models import load_model
+    matmul path installed (`fast_path="torch"` keeps torch's own attention and float matmuls).
 
-    model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, **kwargs)
+    weights="gguf" (default): a model that comes as a GGUF computes from its own quantized blocks (the
+    qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32."""
+    from swiftdecode.fastpath import accelerate
+    from swiftdecode.models import WEIGHTS, load_model, locate_gguf
+
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
+    files = locate_gguf(name_or_path, cache_dir=cache_dir, progress=progress) if weights == "gguf" else None
+    if files is None:
+        model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, progress=progress)
+    else:
+        model, tokenizer = _load_quantized(*files, progress)
     model.fast_path = accelerate(model, mode=fast_path)
     return model, tokenizer
+
+
+def _load_quantized(gguf, folder, progress: bool):
+    from transformers import AutoTokenizer
+
+    from swiftdecode.kernels.build import KernelUnavailable
+    from swiftdecode.kernels.qgemm import load_qkernel
+    from swiftdecode.quantized import build
+
+    try:
+        kernel = load_qkernel()
+    except KernelUnavailable as e:
+        raise UserError(f"quantized weights need the qgemm kernel ({e}); use --weights fp32") from None
+    return build(gguf, folder, kernel, progress), AutoTokenizer.from_pretrained(folder)

@@ -68,7 +68,9 @@ def weight_bytes(model) -> int:
 
     emb = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     lin = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    seen: dict[int, int] = {}
+    from swiftdecode.kernels.modules import QuantLinear
+
+    seen: dict[int, int] = {id(m.qweight): m.qweight.nbytes for m in model.modules() if isinstance(m, QuantLinear)}
     for p in model.parameters():
         if p.data_ptr() not in emb or p.data_ptr() in lin:
             seen[p.data_ptr()] = p.nbytes
@@ -172,13 +174,15 @@ def format_report(d: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from swiftdecode.models import load_model
+    import swiftdecode
 
     if args.threads is not None:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, cache_dir=args.cache_dir, progress=not args.json)
+    model, _ = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path="torch", weights=args.weights, progress=not args.json
+    )
     d = diagnose(model, args.fast_path, args.context, args.repeats)
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return 0

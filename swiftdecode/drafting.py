@@ -60,7 +60,7 @@ def draft(
         hidden = sm.forward([token], torch.tensor([start + steps]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
         logits, ids = sm.draft_logits(hidden)
         steps += 1
-        odds, top = _candidates(logits[0], ids, cfg, sampler, start + steps, sm.lm_head.weight.shape[0])
+        odds, top = _candidates(logits[0], ids, cfg, sampler, start + steps, sm.vocab_size)
         layers.append([(prefix * p, t) for p, t in zip(odds, top, strict=True)])
         if odds[0] < cfg.epsilon or prefix * odds[0] < min_prefix:
             break

@@ -122,7 +122,7 @@ class Generator:
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
         self.step_s: float | None = None  # measured seconds of one draft forward (EMA)
         self.rounds = 0
-        vocab = self.sm.lm_head.weight.shape[0]
+        vocab = self.sm.vocab_size
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
         self.skip: SkipSet | None = None
         if self.cfg is not None:  # draft settings for greedy (True) and sampling (False), built once
@@ -372,7 +372,7 @@ class Generator:
         ids = [int(i) for i in prompt]
         if not ids:
             raise UserError("prompt is empty")
-        vocab = self.sm.lm_head.weight.shape[0]
+        vocab = self.sm.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise UserError(f"prompt token ids must lie in [0, {vocab})")
         return ids

@@ -19,12 +19,6 @@ cached under <cache>/kernels. Other dtypes, autograd and non-CPU tensors go to t
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftdecode.errors import UserError
+from swiftdecode.kernels.build import KernelUnavailable, build, check_platform, cpu_flags
+from swiftdecode.kernels.modules import QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
@@ -51,25 +47,9 @@ class FastPathInfo:
     patched: int = 0
 
 
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot run here (CPU, compiler, build or self-test); the message says why."""
-
-
-def cpu_flags() -> set[str]:
-    """CPU feature flags from /proc/cpuinfo (empty off Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def best_isa() -> str:
     """The widest kernel ISA this CPU supports; KernelUnavailable if none."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelUnavailable(f"no kernel for {platform.system()}/{platform.machine()} (Linux x86-64 only)")
+    check_platform()
     flags = cpu_flags()
     for isa, need in ISA_CPU_FLAGS.items():
         if need <= flags:
@@ -77,42 +57,9 @@ def best_isa() -> str:
     raise KernelUnavailable("CPU lacks AVX2+FMA")
 
 
-def kernel_dir() -> Path:
-    from swiftdecode.models import resolve_cache_dir
-
-    return resolve_cache_dir() / "kernels"
-
-
 def build_kernel(isa: str, out_dir: Path | None = None) -> Path:
     """Compile csrc/skinny_gemm.cpp for `isa` into a cached shared library (keyed by source, flags, compiler)."""
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH")
-    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *ISA_FLAGS[isa]]
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    out_dir = out_dir or kernel_dir()
-    lib = out_dir / f"skinny_gemm_{isa}_{key}.so"
-    if lib.exists():
-        return lib
-    tmp = None
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        r = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise KernelUnavailable(f"kernel build failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        os.replace(tmp, lib)  # atomic: concurrent builders race harmlessly
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"kernel build failed: {e}") from e
-    finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return build(SOURCE, f"skinny_gemm_{isa}", ISA_FLAGS[isa], out_dir)
 
 
 class Kernel:
@@ -361,14 +308,16 @@ def accelerate(model: nn.Module, mode: str = "auto") -> FastPathInfo:
     if mode not in MODES:
         raise UserError(f"unknown fast path {mode!r}; choose from {', '.join(MODES)}")
     restore(model)
+    quant = sum(isinstance(m, QuantLinear) for m in model.modules())
     if mode == "torch":
-        return FastPathInfo("torch", "requested (mode='torch')")
+        reason = "requested (mode='torch')"
+        return FastPathInfo("torch", reason + (f"; {quant} quantized layers run qgemm" if quant else ""))
     linears = _linears(model)
     weights = [m.weight for m in linears]
-    if not weights or any(w.device.type != "cpu" for w in weights):
+    if (not weights and not quant) or any(w.device.type != "cpu" for w in weights):
         reason = "model has no linear layers" if not weights else "model is not on the CPU"
         return _unavailable(mode, reason)
-    if not any(w.dtype == torch.float32 for w in weights):
+    if not quant and not any(w.dtype == torch.float32 for w in weights):
         return _unavailable(mode, f"weights are {weights[0].dtype}; the kernel is float32 only")
     try:
         kernel = load_kernel(mode.removeprefix("skinny-") if mode.startswith("skinny-") else None)
@@ -384,13 +333,18 @@ def accelerate(model: nn.Module, mode: str = "auto") -> FastPathInfo:
             m.role = role
     n = sum(isinstance(m, FastLinear) for m in linears)
     reason = f"{kernel.isa} batch-invariant skinny GEMM ({n} linear layers)"
+    if quant:
+        isa = next(m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear))
+        reason = f"{isa} batch-invariant quantized GEMM ({quant} layers, int8 activations)" + (
+            f" + fp32 skinny GEMM ({n} layers)" if n else ""
+        )
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and hasattr(model, "set_attn_implementation"):
         _register_attention()
         model._swiftdecode_attn = config._attn_implementation
         model.set_attn_implementation("swiftdecode")
         reason += " + order-invariant attention"
-    return FastPathInfo(f"skinny-{kernel.isa}", reason, n)
+    return FastPathInfo(f"skinny-{kernel.isa}", reason, n + quant)
 
 
 def _unavailable(mode: str, reason: str) -> FastPathInfo:

@@ -7,6 +7,8 @@ import torch
 
 from swiftdecode import fastpath
 from swiftdecode.cache import SwiftCache
+from swiftdecode.kernels.modules import QuantLinear
+from swiftdecode.kernels.qweight import QuantWeight
 from swiftdecode.skip import LayerSkipper, SkipSet
 from swiftdecode.tree import attention_mask
 
@@ -21,15 +23,17 @@ class SwiftModel:
         self.lm_head = model.get_output_embeddings()
         self.skipper = LayerSkipper.of(model)
         self.n_layers = len(self.skipper.layers)
-        self.dtype = self.lm_head.weight.dtype
-        self.device = self.lm_head.weight.device
+        self.quantized = isinstance(self.lm_head, QuantLinear)
+        self.vocab_size = self.lm_head.out_features
+        self.dtype = torch.float32 if self.quantized else self.lm_head.weight.dtype
+        self.device = torch.device("cpu") if self.quantized else self.lm_head.weight.device
         types = set(getattr(self.config, "layer_types", None) or [])
         self.window = getattr(self.config, "sliding_window", None) if "sliding_attention" in types else None
         self.layer_types = types if self.window else None
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.max_length = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.draft_ids: torch.Tensor | None = None
-        self.draft_weight: torch.Tensor | None = None
+        self.draft_weight: torch.Tensor | QuantWeight | None = None
         self.cache = SwiftCache(self.n_layers)
 
     def reset(self) -> None:
@@ -83,6 +87,8 @@ class SwiftModel:
         """Draft logits [q, V'] over the draft vocabulary and the ids of its columns (None = full vocabulary)."""
         if self.draft_weight is None:
             return self.logits(hidden), None
+        if self.quantized:
+            return self._cap(self.lm_head.kernel.linear(hidden, self.draft_weight)).float(), self.draft_ids
         kernel = fastpath.FastLinear.kernel
         fast = kernel is not None and isinstance(self.lm_head, fastpath.FastLinear) and hidden.dtype == torch.float32
         logits = kernel.linear(hidden, self.draft_weight, None) if fast else hidden @ self.draft_weight.T
@@ -95,6 +101,9 @@ class SwiftModel:
             self.draft_ids = self.draft_weight = None
             return
         ids = ids.to(self.device)
+        if self.quantized:  # ~2 ms for 16k rows: rebuilt whole, the tiles interleave rows
+            self.draft_ids, self.draft_weight = ids, self.lm_head.qweight.select_rows(ids)
+            return
         if self.draft_ids is None or len(ids) != len(self.draft_ids):
             self.draft_ids, self.draft_weight = ids, self.lm_head.weight.index_select(0, ids)
             return

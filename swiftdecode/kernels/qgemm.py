@@ -1,0 +1,97 @@
+"""ctypes binding of csrc/qgemm.cpp: products with block-quantized weights, and their rows as floats.
+
+One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + VNNI) or `avx2` (AVX2 + FMA +
+F16C). Both return bit-identical results (integer dot products, one fixed float sequence per output; see the
+source), so a model's numerics do not depend on the machine's SIMD width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from swiftdecode.kernels.build import KernelUnavailable, build, check_platform, cpu_flags
+from swiftdecode.kernels.qweight import QuantWeight
+
+SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
+ISA_FLAGS = {
+    "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def best_isa() -> str:
+    """The widest qgemm build this CPU runs; KernelUnavailable if none."""
+    check_platform()
+    flags = cpu_flags()
+    for isa, need in ISA_CPU_FLAGS.items():
+        if need <= flags:
+            return isa
+    raise KernelUnavailable("CPU lacks AVX2+FMA+F16C")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class QKernel:
+    """The qgemm library of one ISA."""
+
+    def __init__(self, isa: str, lib: Path):
+        self.isa = isa
+        self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
+        self._quant = getattr(self._lib, f"sd_quantize_rows_{isa}")
+        self._quant.argtypes = [_P] * 4 + [_I] * 2 + [ctypes.c_int]
+        self._gemm = getattr(self._lib, f"sd_qgemm_{isa}")
+        self._gemm.argtypes = [ctypes.c_int] + [_P] * 6 + [_I] * 2 + [_P] * 5 + [_I, ctypes.c_int]
+        self._deq = getattr(self._lib, f"sd_dequant_rows_{isa}")
+        self._deq.argtypes = [ctypes.c_int] + [_P] * 6 + [_I] * 2 + [_P, _I, _P]
+        for f in (self._quant, self._gemm, self._deq):
+            f.restype = None
+
+    def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., N] fp32 (+ bias [N] fp32): row i depends on x's row i only, bit for bit."""
+        x2 = x.reshape(-1, w.k).float().contiguous()
+        m, threads = x2.shape[0], torch.get_num_threads()
+        q = torch.empty((m, w.k), dtype=torch.int8)
+        d = torch.empty((m, w.k // 32), dtype=torch.float32)
+        s = torch.empty((m, w.k // 16), dtype=torch.int32)
+        self._quant(x2.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), m, w.k, threads)
+        y = torch.empty((*x.shape[:-1], w.n), dtype=torch.float32)
+        planes = [_ptr(p) for p in w.planes()]
+        self._gemm(w.fmt, *planes, w.n, w.k, q.data_ptr(), d.data_ptr(), s.data_ptr(), _ptr(bias), y.data_ptr(),
+                   m, threads)  # fmt: skip
+        return y
+
+    def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [...] as fp32 [..., K], exactly as GGUF's reference dequantization gives them."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= w.n):
+            raise IndexError(f"row index out of range for a weight with {w.n} rows")
+        out = torch.empty((len(flat), w.k), dtype=torch.float32)
+        self._deq(w.fmt, *[_ptr(p) for p in w.planes()], w.n, w.k, flat.data_ptr(), len(flat), out.data_ptr())
+        return out.reshape(*ids.shape, w.k)
+
+
+_KERNELS: dict[str, QKernel] = {}
+
+
+def load_qkernel(isa: str | None = None) -> QKernel:
+    """Build (once, cached on disk) and load the qgemm library for `isa` (default: the best this CPU runs)."""
+    isa = isa or best_isa()
+    if isa not in _KERNELS:
+        if not ISA_CPU_FLAGS[isa] <= cpu_flags():
+            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(ISA_CPU_FLAGS[isa]))}")
+        try:
+            _KERNELS[isa] = QKernel(isa, build(SOURCE, f"qgemm_{isa}", ISA_FLAGS[isa]))
+        except OSError as e:
+            raise KernelUnavailable(f"qgemm load failed: {e}") from e
+    return _KERNELS[isa]

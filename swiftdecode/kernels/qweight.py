@@ -1,0 +1,182 @@
+"""GGUF block-quantized weights kept quantized in memory, re-laid out for the qgemm kernel (csrc/qgemm.cpp).
+
+`QuantWeight.from_gguf(type, blocks, n, k)` decodes a GGUF tensor's blocks into the kernel's planes: the same
+codes, scales and mins (same bit widths, fp16 scales as stored), with rows interleaved in tiles of 16 lanes so
+one vector load feeds 16 output rows. Memory is the GGUF tensor's size (K-quant 6-bit scales take a byte each:
++0.7% for Q4_K); nothing is expanded to float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+LANES = 16  # output rows per tile (csrc LANES)
+
+# GGUF type name -> (kernel format id, high-bit plane width, values per block)
+FORMATS = {
+    "Q4_0": (0, 0, 32),
+    "Q4_1": (1, 0, 32),
+    "Q5_0": (2, 1, 32),
+    "Q5_1": (3, 1, 32),
+    "Q8_0": (4, 4, 32),
+    "Q4_K": (5, 0, 256),
+    "Q5_K": (6, 1, 256),
+    "Q6_K": (7, 2, 256),
+}
+PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are values 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] bits, value i = bit i."""
+    v = np.ascontiguousarray(qh).view(np.uint32)
+    return ((v >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _kscales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """K-quant 12-byte packed 6-bit scales and mins [..., 12] -> ([..., 8], [..., 8])."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _decode(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
+    """Blocks [N, nblk, bytes] -> codes `u` [N, K] and per-row scale arrays, as GGUF defines each type."""
+    n = b.shape[0]
+    out: dict[str, np.ndarray] = {"d": _f16(b[..., 0:2])}
+    if kind in ("Q4_0", "Q4_1"):
+        o = 2 if kind == "Q4_0" else 4
+        if kind == "Q4_1":
+            out["d2"] = _f16(b[..., 2:4])
+        u = _nibbles(b[..., o : o + 16])
+    elif kind in ("Q5_0", "Q5_1"):
+        o = 2 if kind == "Q5_0" else 4
+        if kind == "Q5_1":
+            out["d2"] = _f16(b[..., 2:4])
+        u = _nibbles(b[..., o + 4 : o + 20]) | (_bits(b[..., o : o + 4]) << 4)
+    elif kind == "Q8_0":
+        u = b[..., 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128
+    elif kind in ("Q4_K", "Q5_K"):
+        out["d2"] = _f16(b[..., 2:4])
+        out["sc"], out["mn"] = (a.reshape(n, -1) for a in _kscales(b[..., 4:16]))
+        qs = b[..., -128:].reshape(*b.shape[:2], 4, 1, 32)
+        u = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(*b.shape[:2], 256)
+        if kind == "Q5_K":
+            qh = b[..., 16:48].reshape(*b.shape[:2], 1, 32)
+            u = u | (((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 4).reshape(*b.shape[:2], 256)
+    elif kind == "Q6_K":
+        out["d"] = _f16(b[..., 208:210])
+        out["sc"] = b[..., 192:208].reshape(n, -1)  # int8 bits
+        ql = b[..., 0:128].reshape(*b.shape[:2], 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        u = ((ql & 15).reshape(*b.shape[:2], 256)) | (((qh & 3).reshape(*b.shape[:2], 256)) << 4)
+    else:
+        raise ValueError(kind)
+    out["u"] = u.reshape(n, -1)
+    return out
+
+
+def _tile(a: np.ndarray, t: int) -> np.ndarray:
+    """Per-row [N, ...] -> [T, 16, ...] with zero rows padding N up to T * 16."""
+    pad = t * LANES - a.shape[0]
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+    return a.reshape(t, LANES, *a.shape[1:])
+
+
+def _nibble_plane(c: np.ndarray, t: int) -> np.ndarray:
+    """Codes [N, K] (< 16) -> [T, K/32, 4, 16, 4]: byte (h, j, t) = c[j, 8h+t] | c[j, 8h+4+t] << 4."""
+    x = _tile(c, t).reshape(t, LANES, -1, 4, 2, 4)
+    return np.ascontiguousarray((x[..., 0, :] | (x[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4))
+
+
+def _hi_plane(c: np.ndarray, t: int, hb: int) -> np.ndarray:
+    """High bits [N, K] -> the kernel's hb-bit plane (see csrc/qgemm.cpp)."""
+    if hb == 4:
+        return _nibble_plane(c, t)
+    if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t
+        x = _tile(c, t).reshape(t, LANES, -1, 2, 4, 4).astype(np.uint8)
+        v = sum(x[..., s, :] << (2 * s) for s in range(4)).astype(np.uint8)
+        return np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4))
+    x = _tile(c, t).reshape(t, LANES, -1, 8, 4).astype(np.uint8)  # hb == 1: bit g of byte t: value 4g + t
+    v = sum(x[..., g, :] << g for g in range(8)).astype(np.uint8)
+    return np.ascontiguousarray(v.transpose(0, 2, 1, 3))
+
+
+def _scale_plane(a: np.ndarray, t: int) -> np.ndarray:
+    """Per-row, per-block [N, nb] -> [T, nb, 16]."""
+    return np.ascontiguousarray(_tile(a, t).transpose(0, 2, 1))
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [n, k] weight in kernel planes (uint8 / fp16-bits torch tensors; None where the format has none)."""
+
+    kind: str
+    n: int
+    k: int
+    lo: torch.Tensor
+    hi: torch.Tensor | None
+    d: torch.Tensor
+    d2: torch.Tensor | None
+    sc: torch.Tensor | None
+    mn: torch.Tensor | None
+
+    @property
+    def fmt(self) -> int:
+        return FORMATS[self.kind][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.planes() if p is not None)
+
+    def planes(self) -> list[torch.Tensor | None]:
+        return [getattr(self, p) for p in PLANES]
+
+    @classmethod
+    def from_gguf(cls, kind: str, data: np.ndarray, n: int, k: int, rows: np.ndarray | None = None) -> QuantWeight:
+        """data: the GGUF tensor's bytes [n, row bytes]; rows: optional order of the rows (a permutation)."""
+        if kind not in FORMATS:
+            raise ValueError(f"GGUF type {kind} has no quantized kernel (supported: {', '.join(FORMATS)})")
+        _, hb, block = FORMATS[kind]
+        if k % block or k % 32:
+            raise ValueError(f"{kind} weight with k={k} not a multiple of {block}")
+        blocks = np.asarray(data, dtype=np.uint8).reshape(n, k // block, -1)
+        if rows is not None:
+            blocks = blocks[rows]
+        f = _decode(kind, blocks)
+        t = -(-n // LANES)
+        u = f.pop("u")
+        planes = {"lo": _nibble_plane(u & 15, t), "hi": _hi_plane(u >> 4, t, hb) if hb else None}
+        for name, a in f.items():
+            planes[name] = _scale_plane(a.view(np.uint16) if a.dtype == np.float16 else a, t)
+        tensors = {p: None if planes.get(p) is None else torch.from_numpy(planes[p]) for p in PLANES}
+        return cls(kind, n, k, **tensors)
+
+    def select_rows(self, ids: torch.Tensor) -> QuantWeight:
+        """A weight holding rows `ids` (in that order), e.g. the draft vocabulary's rows of the output head."""
+        t = -(-len(ids) // LANES)
+        out = {}
+        for name in PLANES:
+            p = getattr(self, name)
+            if p is None:
+                out[name] = None
+                continue
+            lane = p.dim() - 2 if name in ("lo", "hi") else p.dim() - 1
+            rows = p.movedim(lane, 1).reshape(p.shape[0] * LANES, *p.shape[1:lane], *p.shape[lane + 1 :])
+            sel = rows.index_select(0, ids)
+            sel = torch.cat([sel, sel.new_zeros((t * LANES - len(ids), *sel.shape[1:]))])
+            out[name] = sel.reshape(t, LANES, *sel.shape[1:]).movedim(1, lane).contiguous()
+        return replace(self, n=len(ids), **out)
