@@ -17,7 +17,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = sampling_kwargs(args)
     import swiftdecode
 
-    model, tokenizer = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights)
+    model, tokenizer = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+    )
     gen = swiftdecode.Generator(model, tokenizer, method=args.method)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("swiftdecode chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)

@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     import swiftdecode
 
-    model, tokenizer = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights)
+    model, tokenizer = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+    )
     gen = swiftdecode.Generator(model, tokenizer, method=args.method)
     for prompt in prompts:
         if args.json:

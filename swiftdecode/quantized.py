@@ -52,7 +52,7 @@ def _row_order(processor, name: str, n: int) -> np.ndarray | None:
     if np.array_equal(out, idx[:, 0]):
         return None
     if sorted(out.tolist()) != list(range(n)):
-        raise UserError(f"GGUF tensor {name} needs a value transform the quantized path cannot apply; use --weights fp32")
+        raise UserError(f"GGUF tensor {name} needs a value transform the quantized path lacks; use --weights fp32")
     return out.astype(np.int64)
 
 

@@ -687,7 +687,9 @@ def run(args: "argparse.Namespace") -> int:
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = listen(args.host, args.port)
-    model, tokenizer = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights)
+    model, tokenizer = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+    )
     gen = Generator(model, tokenizer, method=args.method)
     app = create_app(gen, args.model, max_queue=args.max_queue, api_key=args.api_key)
     print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")

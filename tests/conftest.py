@@ -18,10 +18,18 @@ def _deterministic():
 
 @pytest.fixture(scope="session")
 def smollm():
-    """(model, tokenizer) of SmolLM2-135M-Instruct with the default fast path."""
+    """(model, tokenizer) of SmolLM2-135M-Instruct on the default path: its own quantized GGUF weights."""
     import swiftdecode
 
     return swiftdecode.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32():
+    """(model, tokenizer) of SmolLM2-135M-Instruct dequantised to float32 (`--weights fp32`), fast path."""
+    import swiftdecode
+
+    return swiftdecode.load("smollm2-135m", weights="fp32")
 
 
 @pytest.fixture(scope="session")

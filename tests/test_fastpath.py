@@ -246,11 +246,11 @@ def test_smollm2_verify_is_bit_identical_to_decoding(kernel, smollm):
         assert torch.equal(at_once, pieces)
 
 
-def test_smollm2_forward_matches_torch(kernel, smollm):
+def test_smollm2_forward_matches_torch(kernel, smollm_fp32):
     """Full SmolLM2 forward (tied lm_head included): fast path vs torch, 12 new tokens on a 20-token cache."""
     from transformers import DynamicCache
 
-    model, _ = smollm
+    model, _ = smollm_fp32
     ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     out = {}
     try:

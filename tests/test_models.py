@@ -32,7 +32,7 @@ def pulled(tmp_path_factory, smol_gguf) -> Path:
     (cache / "smollm2-135m" / "config.json").write_text("{}")
     (cache / "smollm2-135m" / "model.safetensors").write_bytes(b"half-written")
     (cache / ".tmp-smollm2-135m-killed").mkdir()
-    return pull("smollm2-135m", cache_dir=cache, progress=False)
+    return pull("smollm2-135m", cache_dir=cache, progress=False, weights="fp32")
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +142,7 @@ class _Rebuilt(Exception):
 def test_incomplete_entry_is_rebuilt(pulled, tmp_path, monkeypatch, damage):
     entry = _copy_entry(pulled, tmp_path)
     monkeypatch.setattr(models, "_convert", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
-    assert pull("smollm2-135m", cache_dir=tmp_path, progress=False) == entry  # intact copy: no rebuild
+    assert pull("smollm2-135m", cache_dir=tmp_path, progress=False, weights="fp32") == entry  # intact copy: no rebuild
     if damage == "no marker":
         (entry / MARKER).unlink()
     elif damage == "missing file":
@@ -153,7 +153,7 @@ def test_incomplete_entry_is_rebuilt(pulled, tmp_path, monkeypatch, damage):
     else:
         (entry / MARKER).write_text("{not json")
     with pytest.raises(_Rebuilt):
-        pull("smollm2-135m", cache_dir=tmp_path, progress=False)
+        pull("smollm2-135m", cache_dir=tmp_path, progress=False, weights="fp32")
 
 
 def test_half_written_entry_was_rebuilt(pulled):
@@ -170,3 +170,15 @@ def test_unloadable_entry_is_rebuilt(pulled, tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_convert", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
     with pytest.raises(_Rebuilt):
         load_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+
+
+def test_pull_keeps_the_gguf_not_a_float_copy(tmp_path, smol_gguf):
+    """The default pull (quantized path) stores the verified GGUF with its config and tokenizer: no float32
+    weights on disk, and the entry is reused as is."""
+    entry = pull("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert entry.name == "smollm2-135m-gguf" and (entry / MARKER).is_file()
+    assert (entry / models.GGUF_FILE).read_bytes()[:4] == b"GGUF"
+    assert (entry / models.GGUF_FILE).stat().st_size == SMOL.size
+    assert not list(entry.glob("*.safetensors")) and (entry / "config.json").is_file()
+    assert models.locate_gguf("smollm2-135m", cache_dir=tmp_path, progress=False) == (entry / models.GGUF_FILE, entry)
+    assert models.locate_gguf(str(tmp_path), cache_dir=tmp_path) is None  # a folder has no GGUF

@@ -1,0 +1,108 @@
+"""The quantized kernel (csrc/qgemm.cpp) on every GGUF block format it reads: exact dequantization, one set of
+numerics on every ISA, batch invariance, agreement with the float product; and the quantized model path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from swiftdecode.kernels.build import KernelUnavailable
+from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
+from swiftdecode.kernels.qweight import FORMATS, QuantWeight
+
+FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a block
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def kernels():
+    out = []
+    for isa in ISA_CPU_FLAGS:
+        try:
+            out.append(load_qkernel(isa))
+        except KernelUnavailable:
+            pass
+    if not out:
+        pytest.skip("no qgemm build runs on this CPU")
+    return out
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF blocks [n, row bytes] with random codes and sane fp16 scales."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in FP16_SCALES[kind]:
+        scales = rng.uniform(1e-3, 1e-2, (n, k // block)).astype(np.float16)
+        data[..., off : off + 2] = scales.view(np.uint8).reshape(n, k // block, 2)
+    return data.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_formats(kind):
+    n, k = 40, 512  # n not a multiple of the 16-row tile
+    data = random_blocks(kind, n, k)
+    w = QuantWeight.from_gguf(kind, data, n, k)
+    ref = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    results = []
+    for kern in kernels():
+        assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
+        y = kern.linear(x, w, bias)
+        one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
+        assert torch.equal(y, one), f"{kern.isa}: a 7-row product differs from 7 one-row products"
+        want = x @ ref.T + bias
+        assert ((y - want).norm() / want.norm()) < 0.02  # int8 activations: ~0.5% relative error
+        results.append(y)
+    assert all(torch.equal(r, results[0]) for r in results), "the ISA builds disagree"
+
+
+def test_select_rows_matches_full_product():
+    n, k = 100, 256
+    w = QuantWeight.from_gguf("Q4_K", random_blocks("Q4_K", n, k), n, k)
+    ids = torch.tensor([97, 3, 50, 16, 17, 0])
+    x = torch.randn(3, k)
+    kern = kernels()[0]
+    assert torch.equal(kern.linear(x, w.select_rows(ids)), kern.linear(x, w)[:, ids])
+
+
+def test_row_permutation_is_applied():
+    n, k = 32, 64
+    data = random_blocks("Q8_0", n, k)
+    order = np.random.default_rng(0).permutation(n)
+    w = QuantWeight.from_gguf("Q8_0", data, n, k, order)
+    ref = dequantize(data, GGMLQuantizationType.Q8_0).reshape(n, k)[order]
+    assert torch.equal(kernels()[0].rows(w, torch.arange(n)), torch.from_numpy(ref.astype(np.float32)))
+
+
+def test_unsupported_format_is_a_clear_error():
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        QuantWeight.from_gguf("Q2_K", np.zeros((16, 84), np.uint8), 16, 256)
+
+
+def test_quantized_model_keeps_weights_quantized(smollm):
+    """The default load computes from the GGUF blocks: no float copy of a quantized weight, embedding rows equal
+    GGUF's dequantization, and the model's bytes are about the file's."""
+    from swiftdecode.kernels.gguf_index import read_index
+    from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
+    from swiftdecode.models import locate_gguf
+
+    model, _ = smollm
+    gguf, _ = locate_gguf("smollm2-135m", progress=False)
+    quant = {id(m.qweight): m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)}
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    float_bytes = sum(p.nbytes for p in model.parameters())
+    quant_bytes = sum(q.nbytes for q in quant.values())
+    assert float_bytes < 0.01 * quant_bytes  # norms only
+    assert quant_bytes <= 1.05 * gguf.stat().st_size
+    _, tensors = read_index(gguf)
+    emb = next(t for t in tensors if t.name == "token_embd.weight")
+    ref = dequantize(np.asarray(emb.data), emb.tensor_type).reshape(-1, int(emb.shape[0]))
+    ids = torch.tensor([[0, 17, 4000, 49151]])
+    got = model.get_input_embeddings()(ids)[0]
+    assert torch.equal(got, torch.from_numpy(ref[ids[0].numpy()].astype(np.float32)))
