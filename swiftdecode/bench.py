@@ -34,8 +34,11 @@ METHODS = {
     "pld": "HF prompt lookup decoding (10 tokens)",
     "early-exit": "HF assisted generation, early exit at L/2",
     "draft-model": "HF assisted generation with --draft-model",
+    "llama.cpp": "llama.cpp plain decoding on the same GGUF (peer; needs its binaries)",
+    "llama.cpp-lookup": "llama.cpp n-gram lookup speculation on the same GGUF (peer; needs its binaries)",
 }
 ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform")
+PEER_METHODS = ("llama.cpp", "llama.cpp-lookup")
 DEFAULT_METHODS = "hf,ar,swift,swift-paper,uniform,pld,early-exit"
 
 
@@ -127,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     chat = use_chat(tok, args.chat)
     ids = [encode(tok, p.text, chat) for p in prompts]
     switch = PathSwitch(model, fast_path["path"], args)
-    runners = {m: make_runner(m, model, tok, args, switch) for m in methods}
+    peers = peer_runners(methods, tok, eos_ids(model, tok), args)
+    methods = [m for m in methods if m not in PEER_METHODS or m in peers]
+    runners = {m: peers[m] if m in peers else make_runner(m, model, tok, args, switch) for m in methods}
     records = run_stream(runners, prompts, ids, args)
     results = summarize(records, methods, args, env_info(fast_path), tok, chat)
     write_outputs(results, out)
@@ -195,6 +200,37 @@ def eos_ids(model, tok) -> set[int]:
 def cut_at_eos(ids: list[int], eos: set[int]) -> list[int]:
     """`ids` up to, excluding, the first EOS."""
     return next((ids[:i] for i, t in enumerate(ids) if t in eos), ids)
+
+
+def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespace) -> dict[str, Runner]:
+    """Runners of the llama.cpp methods asked for whose binaries exist; says on stderr why any is left out."""
+    import torch
+
+    from swiftdecode import peers
+    from swiftdecode.models import locate_gguf
+
+    wanted = [m for m in methods if m in PEER_METHODS]
+    if not wanted:
+        return {}
+    files = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
+    if files is None:
+        print(f"swiftdecode: skipping {', '.join(wanted)}: the model has no GGUF file", file=sys.stderr)
+        return {}
+    threads, out = args.threads or torch.get_num_threads(), {}
+    for m in wanted:
+        binary = peers.find_binary(m)
+        if binary is None:
+            print(f"swiftdecode: skipping {m}: {peers.HOW_TO}", file=sys.stderr)
+            continue
+
+        def call(ids: list[int], seed: int, m=m, binary=binary) -> Outcome:
+            prompt = tok.decode(ids)
+            text, seconds = peers.run_peer(m, binary, files[0], prompt, args.max_new_tokens, threads)
+            new = tok(text, add_special_tokens=False).input_ids[: args.max_new_tokens]
+            return Outcome(cut_at_eos(new, eos), seconds)
+
+        out[m] = call
+    return out
 
 
 def make_runner(method: str, model, tok, args: argparse.Namespace, switch: PathSwitch) -> Runner:
@@ -616,13 +652,13 @@ def lossless_lines(results: dict) -> list[str]:
     ref, mism = results["settings"]["lossless_reference"], results["mismatches"]
     if ref is None:
         return ["Not checked (needs greedy decoding and the hf or ar method)."]
-    engine = [x for x in mism if x["method"] != "hf"]
+    engine = [x for x in mism if x["method"] in ENGINE_METHODS]
     head = f"Every output of every {'engine ' if mism else ''}method is token-identical to `{ref}`."
     if not mism:
         return [head]
     lines = [
         head if not engine else f"{len(engine)} engine output(s) differ from `{ref}`.",
-        f"{len(mism)} output(s) differ from `{ref}` (`hf` differs by the numerics of its path, not a loss):",
+        f"{len(mism)} output(s) differ from `{ref}` (HF and llama.cpp methods by the numerics of their path):",
         "",
         "| method | prompt | category | first diff at | ref tokens | tokens | ref text | text |",
         "|" + "---|" * 8,

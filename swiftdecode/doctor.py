@@ -77,6 +77,18 @@ def weight_bytes(model) -> int:
     return sum(seen.values())
 
 
+def weight_format(model) -> str:
+    """How the matmul weights are held: the GGUF block formats of the quantized path, or the float dtype."""
+    from collections import Counter
+
+    from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
+
+    kinds = Counter(m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    if not kinds:
+        return f"{next(model.parameters()).dtype} (dequantised)".replace("torch.", "")
+    return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
 def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict[int, float]]]:
     """Median wall and calling-thread CPU ms of a k-token forward after `context` tokens, per fast-path mode
     ({path: {"wall": {k: ms}, "cpu": {k: ms}}}); repeats interleaved. With one torch thread, CPU time is
@@ -138,6 +150,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "path": info.path,
         "reason": info.reason,
         "weight_mb": nbytes / 1e6,
+        "weight_format": weight_format(model),
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],
@@ -153,7 +166,7 @@ def format_report(d: dict) -> str:
         f"torch:      {d['torch']}   {d['blas']}",
         f"matmul:     {d['path']} — {d['reason']}",
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
-        f"weights:    {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
+        f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         "",
         f"{'path':<16}" + "".join(f"{f'k={k}':>16}" for k in KS) + f"{'GB/s @k=1':>12}",
     ]

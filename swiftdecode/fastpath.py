@@ -82,6 +82,25 @@ class Kernel:
             ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
         ]  # fmt: skip
         self._attn.restype = None
+        self._norm = getattr(self._lib, f"sd_rmsnorm_{isa}")
+        self._norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        self._norm.restype = None
+        self._rope = getattr(self._lib, f"sd_rope_{isa}")
+        self._rope.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self._rope.restype = None
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [q, heads, D] (contiguous, in place) by cos/sin [q, D] as HF's rotate_half does; returns x."""
+        q, heads, d = x.shape
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), q, heads, d)
+        return x
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., H] fp32 contiguous, w [H] -> w * x / sqrt(mean(x^2) + eps), row-local in a fixed order."""
+        y = torch.empty_like(x)
+        h = x.shape[-1]
+        self._norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // h, h, eps, torch.get_num_threads())
+        return y
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from swiftdecode import fastpath
+from swiftdecode import fastpath, lean
 from swiftdecode.cache import SwiftCache
 from swiftdecode.kernels.modules import QuantLinear
 from swiftdecode.kernels.qweight import QuantWeight
@@ -35,6 +35,8 @@ class SwiftModel:
         self.draft_ids: torch.Tensor | None = None
         self.draft_weight: torch.Tensor | QuantWeight | None = None
         self.cache = SwiftCache(self.n_layers)
+        self.lean = lean.LeanDecoder(model, None) if lean.supported(model) else None
+        self.observer = None  # optional fn(layer, hidden in, hidden out) called by the lean forward
 
     def reset(self) -> None:
         self.cache = SwiftCache(self.n_layers)
@@ -58,6 +60,13 @@ class SwiftModel:
         if self.layer_types:
             sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
             mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
+        kernel = fastpath.FastLinear.kernel
+        on_kernel = getattr(self.model.config, "_attn_implementation", None) == "swiftdecode" and kernel is not None
+        if self.lean is not None and on_kernel and not self.layer_types:
+            self.lean.kernel = kernel
+            ids_t = torch.tensor(ids, device=self.device)
+            with fastpath.sparse_draft(skip.sparsity if skip else 0):
+                return self.lean.forward(ids_t, positions, mask[0, 0], self.cache, skip or SkipSet(), self.observer)
         with self.skipper.use(skip), fastpath.sparse_draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),

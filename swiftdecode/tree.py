@@ -69,6 +69,10 @@ def attention_mask(
     new_allowed[i, j]; with a sliding `window`, only keys less than `window` positions back.
     """
     q = len(q_pos)
+    if window is None and isinstance(visible, int) and visible >= prefix_len:  # the common case, built cheaply
+        mask = torch.zeros((1, 1, q, prefix_len + q), dtype=dtype)
+        mask[0, 0, :, prefix_len:].masked_fill_(~new_allowed, torch.finfo(dtype).min)
+        return mask
     kv_pos = torch.cat([torch.arange(prefix_len), q_pos])
     vis = torch.as_tensor(visible).reshape(-1, 1)
     allowed = torch.cat([(torch.arange(prefix_len)[None, :] < vis).expand(q, -1), new_allowed], dim=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,8 @@ def smollm_fp32():
 @pytest.fixture(scope="session")
 def spec_bench() -> list[dict]:
     if not SPEC_BENCH.exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"Spec-Bench data not found at {SPEC_BENCH} (CI must have it)")
         pytest.skip(f"Spec-Bench data not found at {SPEC_BENCH}")
     return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
 

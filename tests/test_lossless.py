@@ -1,4 +1,5 @@
-"""Accelerated greedy decoding is token-for-token plain greedy decoding (HF `model.generate`) on real models."""
+"""Accelerated decoding is token-for-token our plain decoding (`ar`, same model and forward path) on real models,
+with zero tolerance; how far `ar` agrees with transformers' own `generate` is measured too."""
 
 from __future__ import annotations
 
@@ -11,19 +12,6 @@ from swiftdecode import Generator
 CATEGORIES = ["writing", "reasoning", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
-def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None)
-    new = out[0, len(ids) :].tolist()
-    return next((new[:i] for i, t in enumerate(new) if t in eos), new)
-
-
-def top2_gap(model, ids: list[int]) -> float:
-    """Gap between the two largest next-token logits after `ids` (a near-tie flips under float rounding)."""
-    with torch.inference_mode():
-        top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
-    return float(top[0] - top[1])
-
-
 def encode(gen: Generator, prompt: str) -> list[int]:
     """Chat-templated ids for instruct models, plain ids for base models (Gemma-3-270M has no template)."""
     if gen.tokenizer.chat_template:
@@ -31,20 +19,34 @@ def encode(gen: Generator, prompt: str) -> list[int]:
     return gen.tokenizer(prompt)["input_ids"]
 
 
-def compare(model, gen: Generator, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
-    """Run both decoders; return (mismatches, near-tie flips), each described in words."""
-    mismatches, ties = [], []
+def compare(model, gen: Generator, prompts: list[str], n: int) -> tuple[list[str], int]:
+    """Run `gen` and plain decoding (`ar`, same model, same forward path); describe every mismatch in words.
+    Returns (mismatches, speculative rounds `gen` ran)."""
+    plain = Generator(model, gen.tokenizer, method="ar")
+    mismatches, rounds = [], 0
     for k, prompt in enumerate(prompts):
         ids = encode(gen, prompt)
+        res = gen.generate(ids, max_new_tokens=n)
+        ours, ref = res.token_ids, plain.generate(ids, max_new_tokens=n).token_ids
+        rounds += res.stats.draft_rounds
+        if ours != ref:
+            i = next((j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
+            mismatches.append(f"prompt {k}: token {i}: ours {ours[i : i + 3]}, plain {ref[i : i + 3]}")
+    return mismatches, rounds
+
+
+def hf_agreement(model, gen: Generator, prompts: list[str], n: int) -> float:
+    """Mean share of `ar`'s tokens that HF `model.generate` (stock modules, same weights) reproduces before the
+    first divergence: how far our path's numerics are from transformers'."""
+    shares = []
+    for prompt in prompts:
+        ids = encode(gen, prompt)
         ours = gen.generate(ids, max_new_tokens=n).token_ids
-        ref = hf_greedy(model, ids, n, gen.eos)
-        if ours == ref:
-            continue
-        i = next((j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
-        gap = top2_gap(model, ids + ref[:i])
-        what = f"prompt {k}: token {i}: ours {ours[i : i + 3]}, plain {ref[i : i + 3]}, gap {gap:.1e}"
-        (ties if gap < 1e-4 else mismatches).append(what)
-    return mismatches, ties
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_p=None, top_k=None)
+        ref = out[0, len(ids) :].tolist()
+        i = next((j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), len(ours))
+        shares.append(i / max(len(ours), 1))
+    return sum(shares) / len(shares)
 
 
 def test_swift_greedy_is_plain_greedy(smollm, spec_bench):
@@ -52,21 +54,17 @@ def test_swift_greedy_is_plain_greedy(smollm, spec_bench):
     model, tok = smollm
     gen = Generator(model, tok, method="swift")
     prompts = pick_prompts(spec_bench, 3, CATEGORIES)[:20]
-    mismatches, ties = compare(model, gen, prompts, 96)
-    for t in ties:
-        print("near-tie flip (reported, not a failure):", t)
+    mismatches, rounds = compare(model, gen, prompts, 96)
     assert not mismatches, mismatches
-    assert len(ties) <= 1, ties
-    assert gen.search is not None and gen.search.evals > 1
+    assert rounds > 0 and gen.search is not None and gen.search.evals > 1
 
 
 @pytest.mark.parametrize("method", ["swift-paper", "uniform"])
 def test_other_methods_greedy_is_plain_greedy(smollm, spec_bench, method):
     model, tok = smollm
     gen = Generator(model, tok, method=method)
-    mismatches, ties = compare(model, gen, pick_prompts(spec_bench, 1, ["writing", "math_reasoning", "rag"]), 48)
-    assert not mismatches, mismatches
-    assert len(ties) <= 1, ties
+    mismatches, rounds = compare(model, gen, pick_prompts(spec_bench, 1, ["writing", "math_reasoning", "rag"]), 48)
+    assert not mismatches and rounds > 0, mismatches
 
 
 def test_second_architecture_gemma3(spec_bench):
@@ -78,9 +76,8 @@ def test_second_architecture_gemma3(spec_bench):
     long_prompt = next(r["turns"][0] for r in spec_bench if r["category"] == "summarization")
     prompts = [long_prompt, *pick_prompts(spec_bench, 1, ["writing", "math_reasoning"])]
     assert len(encode(gen, long_prompt)) > gen.sm.window
-    mismatches, ties = compare(model, gen, prompts, 48)
-    assert not mismatches, mismatches
-    assert len(ties) <= 1, ties
+    mismatches, rounds = compare(model, gen, prompts, 48)
+    assert not mismatches and rounds > 0, mismatches
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 40)])
@@ -95,3 +92,18 @@ def test_swift_sampling_is_plain_sampling(smollm, spec_bench, temperature, top_p
         assert a.token_ids == swift.generate(prompt, seed=i, **kw).token_ids  # reproducible as search moves on
         assert a.token_ids != ar.generate(prompt, seed=i + 100, **kw).token_ids
         assert a.stats.draft_rounds > 0
+
+
+def test_qwen_quantized_lossless_and_close_to_hf(spec_bench):
+    """Qwen2.5-Coder-0.5B on its own Q4_K_M/Q5_0/Q8_0/Q6_K blocks: `swift` is `ar` token for token over every
+    Spec-Bench category, and HF `generate` on the same weights mostly agrees with `ar`."""
+    import swiftdecode
+
+    model, tok = swiftdecode.load("qwen2.5-coder-0.5b", progress=False)
+    gen = Generator(model, tok, method="swift")
+    prompts = pick_prompts(spec_bench, 1, CATEGORIES)
+    mismatches, rounds = compare(model, gen, prompts, 48)
+    assert not mismatches and rounds > 0, mismatches
+    agreement = hf_agreement(model, gen, prompts[:3], 24)
+    print(f"HF generate agrees with ar on {agreement:.0%} of tokens before the first divergence")
+    assert agreement > 0.3  # a broken forward agrees on next to nothing

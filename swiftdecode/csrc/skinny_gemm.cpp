@@ -447,3 +447,39 @@ extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float*
         }
       }
 }
+
+// RMSNorm of M rows: y = w * (x * 1/sqrt(mean(x^2) + eps)). Row-local with a fixed summation order (8 scalar
+// partial sums, combined pairwise), so a row's result never depends on M, the thread split or the ISA build.
+extern "C" void SD_EXPORT(sd_rmsnorm, SD_ISA)(const float* x, const float* w, float* y, int64_t M, int64_t H,
+                                            float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += xr[i + j] * xr[i + j];
+    for (; i < H; ++i) acc[i % 8] += xr[i] * xr[i];
+    const float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float r = 1.0f / sqrtf(sum / (float)H + eps);
+    float* yr = y + m * H;
+    for (int64_t k = 0; k < H; ++k) yr[k] = w[k] * (xr[k] * r);
+  }
+}
+
+// Rotary embedding in place: x [q, heads, D] (rows contiguous), cos/sin [q, D]; per element the same three
+// float operations as HF's x * cos + rotate_half(x) * sin, so results equal transformers' bit for bit.
+extern "C" void SD_EXPORT(sd_rope, SD_ISA)(float* x, const float* cos_, const float* sin_, int64_t q, int64_t heads,
+                                         int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < q; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* r = x + (i * heads + h) * D;
+      const float *c = cos_ + i * D, *s = sin_ + i * D;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = r[j], b = r[j + half];
+        r[j] = a * c[j] + (-b) * s[j];
+        r[j + half] = b * c[j + half] + a * s[j + half];
+      }
+    }
+}

@@ -22,7 +22,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear(x, self.qweight, self.bias).to(x.dtype)
+        return self.kernel.linear(x, self.qweight, self.bias)
 
     def extra_repr(self) -> str:
         q = self.qweight

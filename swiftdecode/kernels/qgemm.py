@@ -38,8 +38,19 @@ def best_isa() -> str:
     raise KernelUnavailable("CPU lacks AVX2+FMA+F16C")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+class _Desc(ctypes.Structure):
+    """csrc QWDesc: a weight's format, shape and plane pointers."""
+
+    _fields_ = [("fmt", _I), ("n", _I), ("k", _I), *((p, _P) for p in ("lo", "hi", "d", "d2", "sc", "mn"))]
+
+
+def _desc(w: QuantWeight) -> _Desc:
+    """The weight's descriptor, built once and kept on the (frozen) weight object."""
+    desc = w.__dict__.get("_desc")
+    if desc is None:
+        desc = _Desc(w.fmt, w.n, w.k, *(None if p is None else p.data_ptr() for p in w.planes()))
+        object.__setattr__(w, "_desc", desc)
+    return desc
 
 
 class QKernel:
@@ -48,27 +59,21 @@ class QKernel:
     def __init__(self, isa: str, lib: Path):
         self.isa = isa
         self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
-        self._quant = getattr(self._lib, f"sd_quantize_rows_{isa}")
-        self._quant.argtypes = [_P] * 4 + [_I] * 2 + [ctypes.c_int]
-        self._gemm = getattr(self._lib, f"sd_qgemm_{isa}")
-        self._gemm.argtypes = [ctypes.c_int] + [_P] * 6 + [_I] * 2 + [_P] * 5 + [_I, ctypes.c_int]
+        self._linear = getattr(self._lib, f"sd_qlinear_{isa}")
+        self._linear.argtypes = [ctypes.POINTER(_Desc), _P, _P, _P, _I, ctypes.c_int]
         self._deq = getattr(self._lib, f"sd_dequant_rows_{isa}")
-        self._deq.argtypes = [ctypes.c_int] + [_P] * 6 + [_I] * 2 + [_P, _I, _P]
-        for f in (self._quant, self._gemm, self._deq):
+        self._deq.argtypes = [ctypes.POINTER(_Desc), _P, _I, _P]
+        for f in (self._linear, self._deq):
             f.restype = None
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N] fp32 (+ bias [N] fp32): row i depends on x's row i only, bit for bit."""
-        x2 = x.reshape(-1, w.k).float().contiguous()
-        m, threads = x2.shape[0], torch.get_num_threads()
-        q = torch.empty((m, w.k), dtype=torch.int8)
-        d = torch.empty((m, w.k // 32), dtype=torch.float32)
-        s = torch.empty((m, w.k // 16), dtype=torch.int32)
-        self._quant(x2.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), m, w.k, threads)
+        x2 = x.reshape(-1, w.k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         y = torch.empty((*x.shape[:-1], w.n), dtype=torch.float32)
-        planes = [_ptr(p) for p in w.planes()]
-        self._gemm(w.fmt, *planes, w.n, w.k, q.data_ptr(), d.data_ptr(), s.data_ptr(), _ptr(bias), y.data_ptr(),
-                   m, threads)  # fmt: skip
+        b = None if bias is None else bias.data_ptr()
+        self._linear(_desc(w), x2.data_ptr(), b, y.data_ptr(), x2.shape[0], torch.get_num_threads())
         return y
 
     def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -77,7 +82,7 @@ class QKernel:
         if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= w.n):
             raise IndexError(f"row index out of range for a weight with {w.n} rows")
         out = torch.empty((len(flat), w.k), dtype=torch.float32)
-        self._deq(w.fmt, *[_ptr(p) for p in w.planes()], w.n, w.k, flat.data_ptr(), len(flat), out.data_ptr())
+        self._deq(_desc(w), flat.data_ptr(), len(flat), out.data_ptr())
         return out.reshape(*ids.shape, w.k)
 
 

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <memory>
+
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
 #define LANES 16  // rows per tile
 #define LOAD 64   // bytes per plane load: 16 lanes x 4 codes
@@ -73,6 +75,7 @@ static inline vi srl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
 static inline vi sll16(vi a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm512_set1_epi8((char)v); }
 static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
+static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi subi(vi a, vi b) { return _mm512_sub_epi32(a, b); }
@@ -102,6 +105,7 @@ static inline vi srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 static inline vi sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm256_set1_epi8((char)v); }
 static inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
+static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi subi(vi a, vi b) { return _mm256_sub_epi32(a, b); }
@@ -138,7 +142,7 @@ static inline vf fload(const float* p, int n) {
 // Codes of one 32-block for W lanes starting at lane e: 8 vectors of 4-value groups (u[g], g = 0..7). For
 // 8-bit codes on AVX2 the high nibbles go to uh (dot products with codes above 63 could saturate there).
 template <int F>
-static inline void unpack(const uint8_t* lo, const uint8_t* hi, int e, vi u[8], vi uh[8]) {
+__attribute__((always_inline)) static inline void unpack(const uint8_t* lo, const uint8_t* hi, int e, vi u[8], vi uh[8]) {
   const vi m4 = set8(15);
   for (int h = 0; h < 4; h++) {
     vi v = ld(lo + h * LOAD + e * 4);
@@ -173,28 +177,28 @@ static inline void unpack(const uint8_t* lo, const uint8_t* hi, int e, vi u[8], 
 // Integer dot products of one input row's 32-block with the unpacked codes: s[0] over values 0..15, s[1] over
 // 16..31 (only Q6_K needs them apart; otherwise s[0] holds the whole block).
 template <int F>
-static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
-  int32_t xw[8];
-  memcpy(xw, xq, 32);
-  vi a = izero(), b = izero();
-  for (int g = 0; g < 8; g++) {
-    vi& acc = (Fmt<F>::sub16 && g >= 4) ? b : a;
-    acc = dot(acc, u[g], seti(xw[g]));
-  }
+__attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
+  vi p[4] = {izero(), izero(), izero(), izero()};  // four short dependency chains instead of one long one
+  for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot(p[(g & 1) + 2 * (g >> 2)], u[g], bcast4(xq + 4 * g));
 #if !defined(SD_AVX512)
   if (Fmt<F>::hb == 4) {
-    vi c = izero();
-    for (int g = 0; g < 8; g++) c = dot(c, uh[g], seti(xw[g]));
-    a = addi(a, slli32(c, 4));
+    vi c[2] = {izero(), izero()};
+    for (int g = 0; g < 8; g++) c[g & 1] = dot(c[g & 1], uh[g], bcast4(xq + 4 * g));
+    p[0] = addi(p[0], slli32(addi(c[0], c[1]), 4));
   }
 #endif
-  s[0] = a;
-  s[1] = b;
+  if (Fmt<F>::sub16) {
+    s[0] = addi(p[0], p[1]);
+    s[1] = addi(p[2], p[3]);
+  } else {
+    s[0] = addi(addi(p[0], p[1]), addi(p[2], p[3]));
+    s[1] = izero();
+  }
 }
 
 // acc[i] += contribution of 32-block `blk` for input rows m0..m0+R-1, W lanes of tile `t` from lane e.
 template <int F, int R>
-static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0, vf acc[R]) {
+__attribute__((always_inline)) static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0, vf acc[R]) {
   const int64_t nb = w.K / 32, tb = t * nb + blk;
   vi u[8], uh[8];
   unpack<F>(w.lo + tb * 4 * LOAD, w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
@@ -264,9 +268,8 @@ static void gemm(const QW& w, const QX& x, const float* bias, float* y, int64_t 
 }
 
 // x [M, K] fp32 -> q int8 [M, K], d [M, K/32], s [M, K/16]. Scalar on purpose: the same result on every build.
-extern "C" void SD_EXPORT(sd_quantize_rows, SD_ISA)(const float* x, int8_t* q, float* d, int32_t* s, int64_t M,
-                                                  int64_t K, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+static void quantize_rows(const float* x, int8_t* q, float* d, int32_t* s, int64_t M, int64_t K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= (1 << 16))
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < K / 32; b++) {
       const float* xb = x + m * K + b * 32;
@@ -286,13 +289,27 @@ extern "C" void SD_EXPORT(sd_quantize_rows, SD_ISA)(const float* x, int8_t* q, f
   }
 }
 
-extern "C" void SD_EXPORT(sd_qgemm, SD_ISA)(int fmt, const uint8_t* lo, const uint8_t* hi, const uint16_t* d,
-                                          const uint16_t* d2, const uint8_t* sc, const uint8_t* mn, int64_t N,
-                                          int64_t K, const int8_t* xq, const float* xd, const int32_t* xs,
-                                          const float* bias, float* y, int64_t M, int nthreads) {
-  const QW w = {lo, hi, d, d2, sc, mn, N, K};
-  const QX x = {xq, xd, xs, K};
-  switch (fmt) {
+struct QWDesc {  // one weight's planes, bound once from Python (kernels/qgemm.py: _Desc)
+  int64_t fmt, N, K;
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const uint16_t* d;
+  const uint16_t* d2;
+  const uint8_t* sc;
+  const uint8_t* mn;
+};
+
+// y [M, N] = x [M, K] W^T (+ bias): quantizes x (scratch owned here), then one parallel pass over row tiles.
+extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* wd, const float* xf, const float* bias, float* y,
+                                            int64_t M, int nthreads) {
+  const int64_t K = wd->K;
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+  std::unique_ptr<float[]> d(new float[M * K / 32]);
+  std::unique_ptr<int32_t[]> s(new int32_t[M * K / 16]);
+  quantize_rows(xf, q.get(), d.get(), s.get(), M, K, nthreads);
+  const QW w = {wd->lo, wd->hi, wd->d, wd->d2, wd->sc, wd->mn, wd->N, K};
+  const QX x = {q.get(), d.get(), s.get(), K};
+  switch (wd->fmt) {
     case F_Q4_0: gemm<F_Q4_0>(w, x, bias, y, M, nthreads); break;
     case F_Q4_1: gemm<F_Q4_1>(w, x, bias, y, M, nthreads); break;
     case F_Q5_0: gemm<F_Q5_0>(w, x, bias, y, M, nthreads); break;
@@ -306,10 +323,12 @@ extern "C" void SD_EXPORT(sd_qgemm, SD_ISA)(int fmt, const uint8_t* lo, const ui
 
 // The weight's values of rows `rows` -> out [nrows, K] fp32, computed as GGUF's reference dequantization does
 // (the float32 operations in the same order), for embedding lookups. Scalar: a handful of rows per call.
-extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(int fmt, const uint8_t* lo, const uint8_t* hi, const uint16_t* d,
-                                                 const uint16_t* d2, const uint8_t* sc, const uint8_t* mn,
-                                                 int64_t N, int64_t K, const int64_t* rows, int64_t nrows,
+extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64_t* rows, int64_t nrows,
                                                  float* out) {
+  const int fmt = (int)wd->fmt;
+  const uint8_t *lo = wd->lo, *hi = wd->hi, *sc = wd->sc, *mn = wd->mn;
+  const uint16_t *d = wd->d, *d2 = wd->d2;
+  const int64_t K = wd->K;
   static const int hbs[8] = {0, 0, 1, 1, 4, 0, 1, 2};
   const int hb = hbs[fmt];
   const int64_t nb = K / 32;

@@ -1,0 +1,83 @@
+"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral: pre-norm RMSNorm, rotary, grouped-query
+attention, SiLU-gated MLP), over the model's own modules and weights.
+
+Why: with quantized weights a decoder layer's matmuls take ~0.5 ms, and transformers' module stack around them
+(hooks, mask and cache plumbing, a dozen small tensor ops per norm and rotary) costs about as much again. This
+forward calls the same projections in gpt-fast style: one loop over layers, norms and attention in the
+batch-invariant kernel, sublayers of the skip set left out. Every row's result depends only on its own inputs,
+so verification stays bit-identical to one-token decoding. Other architectures run through transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from swiftdecode.cache import SwiftCache
+from swiftdecode.skip import SkipSet
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")  # same layer anatomy; Qwen3 (q/k norms) and Gemma run through HF
+
+
+def supported(model: torch.nn.Module) -> bool:
+    """Whether `model` has the plain Llama anatomy this forward implements."""
+    config = model.config.get_text_config()
+    if config.model_type not in MODEL_TYPES or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None  # Qwen2 configs carry a window size that only applies when use_sliding_window is set
+    return not window
+
+
+class LeanDecoder:
+    """Forward of the decoder's layers on a SwiftCache; `kernel` is the fast path's fp32 kernel (attention,
+    RMSNorm)."""
+
+    def __init__(self, model: torch.nn.Module, kernel):
+        self.base = model.get_decoder()
+        self.layers = self.base.layers
+        self.kernel = kernel
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.eps = self.layers[0].input_layernorm.variance_epsilon
+
+    def _norm(self, x: torch.Tensor, module) -> torch.Tensor:
+        return self.kernel.rmsnorm(x, module.weight, self.eps)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SwiftCache,
+        skip: SkipSet,
+        observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """ids, positions [q]; mask [q, T] additive over the keys of a layer that has every entry (a layer whose
+        attention was skipped in a draft has fewer: its keys are the mask's first columns). Returns [q, H]."""
+        x = self.base.embed_tokens(ids)
+        cos, sin = (t[0].float().contiguous() for t in self.base.rotary_emb(x[None], positions[None]))  # [q, D]
+        for i, layer in enumerate(self.layers):
+            h_in = x
+            if i not in skip.attn:
+                x = x + self._attention(layer.self_attn, self._norm(x, layer.input_layernorm), cos, sin, mask, cache, i)
+            if i not in skip.mlp:
+                mlp, h = layer.mlp, self._norm(x, layer.post_attention_layernorm)
+                x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            if observe is not None:
+                observe(i, h_in, x)
+        return self._norm(x, self.base.norm)
+
+    def _attention(self, attn, h, cos, sin, mask, cache, i) -> torch.Tensor:
+        q_len, d = h.shape[0], self.head_dim
+        q = attn.q_proj(h).view(q_len, -1, d)
+        k = attn.k_proj(h).view(q_len, -1, d)
+        v = attn.v_proj(h).view(q_len, -1, d)
+        q, k = self.kernel.rope(q.contiguous(), cos, sin), self.kernel.rope(k.contiguous(), cos, sin)
+        keys, values = cache.layers[i].update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        t = keys.shape[2]
+        out = self.kernel.attention(q.transpose(0, 1), keys[0], values[0], mask[:, :t], self.scale)
+        return attn.o_proj(out.reshape(q_len, -1))

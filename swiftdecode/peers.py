@@ -1,0 +1,64 @@
+"""llama.cpp as a peer in `swiftdecode bench`: its plain decoding (`llama-completion`) and its n-gram lookup
+speculation (`llama-lookup`) on the same GGUF file, threads, prompt and token budget, greedy.
+
+The binaries are not a dependency: they are found through $SWIFTDECODE_LLAMA_CPP (a folder), the folder that
+`../shared/tools/llama-cpp-peer.sh` builds (~/.cache/llama-cpp-peer), or PATH. Time is llama.cpp's own
+prompt + decode time (model loading excluded, as for our methods); the output text is re-tokenized with the
+model's tokenizer for counting and for the agreement with `ar` (llama.cpp's numerics are its own).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+BINARIES = {"llama.cpp": "llama-completion", "llama.cpp-lookup": "llama-lookup"}
+HOW_TO = (
+    "llama.cpp binaries not found: build them with ../shared/tools/llama-cpp-peer.sh (or pip download the "
+    "llama-cpp-python==0.3.36 sdist and build vendor/llama.cpp) and set SWIFTDECODE_LLAMA_CPP to their folder"
+)
+_PERF = re.compile(r"(prompt eval|eval) time =\s*([\d.]+) ms")
+_LOOKUP = re.compile(r"(encoded|decoded)\s+\d+ tokens in\s+([\d.]+) seconds")
+
+
+def find_binary(method: str) -> Path | None:
+    """The llama.cpp executable of `method`, or None."""
+    name = BINARIES[method]
+    folders = [os.environ.get("SWIFTDECODE_LLAMA_CPP")]
+    folders += [str(p) for p in sorted(Path.home().glob(".cache/llama-cpp-peer/*/vendor/llama.cpp/build/bin"))]
+    for folder in filter(None, folders):
+        path = Path(folder) / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def run_peer(
+    method: str, binary: Path, gguf: Path, prompt: str, max_new_tokens: int, threads: int
+) -> tuple[str, float]:
+    """(generated text, seconds of prompt + decode as llama.cpp reports them) for one greedy generation."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    try:
+        cmd = [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads)]
+        cmd += ["-c", "4096", "--no-warmup"]
+        if method == "llama.cpp":
+            cmd += ["-no-cnv", "--no-display-prompt"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{binary.name} failed ({proc.returncode}): {tail}")
+    text = proc.stdout
+    if method == "llama.cpp":
+        seconds = sum(float(ms) for _, ms in _PERF.findall(proc.stderr)) / 1000
+    else:
+        seconds = sum(float(s) for _, s in _LOOKUP.findall(proc.stderr))
+        text = text.split(prompt, 1)[-1] if prompt in text else text  # llama-lookup echoes the prompt
+    return text, seconds
