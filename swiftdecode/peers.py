@@ -45,10 +45,10 @@ def run_peer(
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
-        cmd = [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads)]
-        cmd += ["-c", "4096", "--no-warmup"]
+        cmd = [str(binary), "-m", str(gguf), "-bf", f.name, "-n", str(max_new_tokens), "--temp", "0"]
+        cmd += ["-t", str(threads), "-c", "4096"]
         if method == "llama.cpp":
-            cmd += ["-no-cnv", "--no-display-prompt"]
+            cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     finally:
         os.unlink(f.name)

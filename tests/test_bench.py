@@ -174,3 +174,35 @@ def test_hf_assisted_methods_match_plain_greedy(method):
     assert plain.rounds is None and plain.acceptance_rate is None
     assert out.rounds >= 1 and 1.0 <= out.mean_accepted_tokens and 0.0 <= out.acceptance_rate <= 1.0
     assert "_get_candidate_generator" not in vars(model)  # the probe unwrapped itself
+
+
+FAKE_LLAMA = """#!/bin/sh
+printf 'The capital of France is Paris, a city on the Seine with many old bridges.'
+echo 'common_perf_print: prompt eval time =     100.00 ms /    17 tokens' >&2
+echo 'common_perf_print:        eval time =     400.00 ms /     7 runs' >&2
+"""
+
+
+def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
+    """A llama.cpp binary found through SWIFTDECODE_LLAMA_CPP gets a row timed by its own reported prompt +
+    decode time; a missing one is skipped with a note saying how to build it."""
+    fake = tmp_path / "bin" / "llama-completion"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_LLAMA)
+    fake.chmod(0o755)
+    monkeypatch.setenv("SWIFTDECODE_LLAMA_CPP", str(fake.parent))
+    from swiftdecode.models import resolve_cache_dir
+
+    monkeypatch.setenv("SWIFTDECODE_CACHE", str(resolve_cache_dir()))  # the models stay where they are
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/llama-cpp-peer
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    out = tmp_path / "out"
+    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
+            "ar,llama.cpp,llama.cpp-lookup", "--max-new-tokens", "8", "--warmup", "0", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "skipping llama.cpp-lookup" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "llama.cpp"]
+    peer = [r for r in results["records"] if r["method"] == "llama.cpp"]
+    assert [(r["wall_s"], r["new_tokens"]) for r in peer] == [(pytest.approx(0.5), 8)] * 2
+    assert "n/a (own numerics" in (out / "results.md").read_text()
