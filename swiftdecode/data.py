@@ -1,7 +1,8 @@
 """Prompt sets for `generate --prompt-file` and `bench`: text files, Spec-Bench JSONL, HumanEval.
 
 Categories: a JSONL row's `category`; each line of a text file is in category "text"; HumanEval is
-"humaneval". The 8 MT-bench sub-categories form the group "mt-bench" (Spec-Bench's multi-turn task).
+"humaneval". In a file holding all 8 MT-bench sub-categories (Spec-Bench), they form the group "mt-bench"
+(its multi-turn task); other files keep their categories as written.
 Without `categories`, prompts are grouped by file category with the MT-bench ones folded into "mt-bench";
 with `categories`, each named category (or "mt-bench") is one group. `Prompt.category` is the group name.
 `limit` keeps at most N prompts per group, evenly spaced in file order (indices floor(i * n / N)), so the
@@ -46,13 +47,14 @@ def load_prompts(source: str, categories: list[str] | None = None, limit: int | 
 def _group(rows: list[Prompt], categories: list[str] | None) -> dict[str, list[Prompt]]:
     """Group name -> its prompts in file order; UserError on unknown or overlapping categories."""
     present = list(dict.fromkeys(p.category for p in rows))
+    mt = MT_BENCH if set(MT_BENCH) <= set(present) else ()  # fold only Spec-Bench's MT-bench, not a lone "coding"
     if categories is None:
-        names = list(dict.fromkeys("mt-bench" if c in MT_BENCH else c for c in present))
+        names = list(dict.fromkeys("mt-bench" if c in mt else c for c in present))
     else:
         names = list(dict.fromkeys(c.strip() for c in categories if c.strip()))
         if not names:
             raise UserError("no categories given")
-        known = present + (["mt-bench"] if any(c in MT_BENCH for c in present) else [])
+        known = present + (["mt-bench"] if mt else [])
         for name in names:
             if name not in known:
                 raise UserError(f"unknown category {name!r}; known: {', '.join(known)}")
@@ -60,7 +62,7 @@ def _group(rows: list[Prompt], categories: list[str] | None) -> dict[str, list[P
             raise UserError(f"category {clash[0]!r} is already part of 'mt-bench'; name one or the other")
     groups: dict[str, list[Prompt]] = {n: [] for n in names}
     for p in rows:
-        key = p.category if p.category in groups else "mt-bench" if p.category in MT_BENCH else None
+        key = p.category if p.category in groups else "mt-bench" if p.category in mt else None
         if key in groups:
             groups[key].append(Prompt(p.id, key, p.text))
     return groups

@@ -4,6 +4,7 @@ over the draft tree) → accept, with on-the-fly search of the skip set between 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -164,7 +165,7 @@ class Generator:
         limit = self.sm.max_length - len(ids)
         if limit <= 0:
             raise UserError(f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens")
-        sampler = Sampler(params, seed if seed is not None else int(torch.seed() % 2**63))
+        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63))
         return self._run(ids, min(max_new_tokens, limit), sampler, stop or [])
 
     # ---- decoding loop ----------------------------------------------------------------------------------
@@ -275,17 +276,20 @@ class Generator:
         """Full forward of the prompt; picks the initial skip set on first use. Returns the last logits [V]."""
         if self.cfg is None:
             return self.sm.logits(self.sm.prefill(ids)[-1:])[0]
-        sparse = self._sparse()
+        sparse, start = self._sparse(), None
         with fastpath.calibrate() if sparse else nullcontext():  # sparsity thresholds follow this prompt
             if self.search is None and self.cfg.init == "cosine":
                 with _collinearity(self.sm) as cos:
                     hidden = self.sm.prefill(ids)
                 n = round(self.cfg.init_ratio * (self.sm.n_layers - 2))
                 layers = frozenset(int(i) + 1 for i in np.argsort(-cos()[1:-1])[:n])
-                self._start_search(SkipSet(layers, layers, self.cfg.sparsity if sparse else 0))
+                start = SkipSet(layers, layers, self.cfg.sparsity if sparse else 0)
             else:
                 hidden = self.sm.prefill(ids)
-        return self.sm.logits(hidden[-1:])[0]
+        logits = self.sm.logits(hidden[-1:])[0]
+        if start is not None:  # after calibration: the search's cost timing must not set the thresholds
+            self._start_search(start)
+        return logits
 
     def _sparse(self) -> bool:
         """Whether drafts may be activation-sparse: the config asks and the MLPs run on the sparse kernel."""

@@ -40,14 +40,24 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+NOISE_KEPT = 64  # positions whose noise stays cached behind the newest one asked for (a round's tree depth)
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (seed, position): splitmix64 of the pair, so neighbours are unrelated."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1
+
+
 class Sampler:
     """Chooses the token at absolute position t from that position's logits [V]."""
 
     def __init__(self, params: SamplingParams, seed: int):
         self.params = params
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
         self.noise: dict[int, torch.Tensor] = {}
-        self.drawn = -1  # noise exists for positions ≤ drawn
 
     def pick(self, logits: torch.Tensor, position: int) -> int:
         if self.params.greedy:
@@ -55,10 +65,11 @@ class Sampler:
         return int((probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1])).argmax())
 
     def noise_at(self, position: int, vocab: int) -> torch.Tensor:
-        """E ~ Exp(1)^V of `position`; draws are made in position order so each position's noise is fixed."""
-        while self.drawn < position:
-            self.drawn += 1
-            self.noise[self.drawn] = torch.empty(vocab).exponential_(generator=self.generator)
-        for old in [p for p in self.noise if p < position - 64]:
-            del self.noise[old]
+        """E ~ Exp(1)^V of `position`: a pure function of (seed, position), drawn only for positions asked for
+        (never for the prompt's), so it costs the same whatever the prompt length."""
+        if position not in self.noise:
+            g = torch.Generator().manual_seed(_mix(self.seed, position))
+            self.noise[position] = torch.empty(vocab).exponential_(generator=g)
+            for old in [p for p in self.noise if p < position - NOISE_KEPT]:
+                del self.noise[old]
         return self.noise[position]

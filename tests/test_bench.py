@@ -54,7 +54,7 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
     }
     for res in results["methods"].values():
         assert keys <= res["overall"].keys() and res["overall"]["n"] == 2
-        assert set(res["by_category"]) == {"mt-bench", "qa"}
+        assert set(res["by_category"]) == {"writing", "qa"}  # not Spec-Bench: categories as written
         for cat in res["by_category"].values():
             assert keys <= cat.keys() and cat["n"] == 1
         assert 0 <= res["overall"]["agreement"] <= 1
@@ -206,3 +206,18 @@ def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
     peer = [r for r in results["records"] if r["method"] == "llama.cpp"]
     assert [(r["wall_s"], r["new_tokens"]) for r in peer] == [(pytest.approx(0.5), 8)] * 2
     assert "n/a (own numerics" in (out / "results.md").read_text()
+
+
+def test_warm_up_never_sees_a_timed_prompt():
+    from swiftdecode.data import Prompt
+
+    seen = []
+
+    def runner(ids, seed):
+        seen.append((tuple(ids), seed))
+        return bench.Outcome([1, 2], 0.1)
+
+    prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b")]
+    args = argparse.Namespace(warmup=2, seed=0)
+    records = bench.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
+    assert seen[:2] == [((9,), -1), ((8,), -2)] and [r["prompt_id"] for r in records] == ["1", "2"]

@@ -39,6 +39,15 @@ def test_jsonl_first_turn_and_default_groups(small):
     assert prompts[-1] == Prompt("t1", "translation", "Translate: hallo")
 
 
+def test_user_categories_are_kept_as_written(tmp_path):
+    """Only a file with all of MT-bench's sub-categories (Spec-Bench) has them folded into 'mt-bench'."""
+    rows = [{"question_id": i, "category": c, "turns": ["p"]} for i, c in enumerate(["coding", "qa", "writing"])]
+    path = write_jsonl(tmp_path / "mine.jsonl", rows)
+    assert [p.category for p in load_prompts(str(path))] == ["coding", "qa", "writing"]
+    with pytest.raises(UserError, match="unknown category 'mt-bench'"):
+        load_prompts(str(path), categories=["mt-bench"])
+
+
 def test_categories_order_and_subcategory(small):
     prompts = load_prompts(str(small), categories=["translation", "coding"])
     assert prompts == [

@@ -223,3 +223,40 @@ def test_coupled_sampling_draft_is_always_accepted_when_the_draft_is_the_model(s
     plain = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=40, temperature=1.0, seed=11, chat=True)
     assert res.token_ids == plain.token_ids
     assert res.stats.drafted_depth >= 20 and res.stats.acceptance_rate == 1.0
+
+
+def test_sampling_noise_is_drawn_only_where_sampled():
+    """Noise is a pure function of (seed, position): a token at position 4000 draws one vector, not 4001."""
+    from swiftdecode.sampling import Sampler, SamplingParams
+
+    params, logits = SamplingParams(temperature=1.0), torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    s = Sampler(params, seed=3)
+    token = s.pick(logits, 4000)
+    assert list(s.noise) == [4000]
+    fresh = Sampler(params, seed=3)
+    assert fresh.pick(logits, 4000) == token and torch.equal(fresh.noise_at(4000, 1000), s.noise_at(4000, 1000))
+    assert not torch.equal(s.noise_at(4001, 1000), s.noise_at(4000, 1000))
+    assert not torch.equal(Sampler(params, seed=4).noise_at(4000, 1000), s.noise_at(4000, 1000))
+
+
+def test_unseeded_sampling_leaves_torch_rng_alone(smollm):
+    model, tok = smollm
+    torch.manual_seed(123)
+    Generator(model, tok, method="ar").generate("Hi", max_new_tokens=3, temperature=1.0, chat=True)
+    assert torch.initial_seed() == 123
+
+
+def test_first_request_thresholds_come_from_the_prompt(smollm_fp32):
+    """The sparsity thresholds after a fresh generator's first prefill are those of the prompt alone (the search's
+    cost timing, which runs right after, must not overwrite them)."""
+    from swiftdecode.model import SwiftModel
+
+    model, tok = smollm_fp32
+    gen = Generator(model, tok, method="swift")
+    ids = gen.chat_ids([{"role": "user", "content": "Name the planets of the solar system."}])
+    gen.generate(ids, max_new_tokens=1)
+    roles = [m for m in model.modules() if getattr(m, "role", "")]
+    after = [m.thresholds.clone() for m in roles]
+    with fastpath.calibrate():
+        SwiftModel(model).prefill(ids)
+    assert all(torch.equal(a, m.thresholds) for a, m in zip(after, roles, strict=True))
