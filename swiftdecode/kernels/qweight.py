@@ -166,8 +166,10 @@ class QuantWeight:
         return cls(kind, n, k, **tensors)
 
     def select_rows(self, ids: torch.Tensor) -> QuantWeight:
-        """A weight holding rows `ids` (in that order), e.g. the draft vocabulary's rows of the output head."""
+        """A weight holding rows `ids` (in that order), e.g. the draft vocabulary's rows of the output head.
+        Reads only those rows (a few ms for 16k rows of a 150k-row head)."""
         t = -(-len(ids) // LANES)
+        tiles, lanes = ids // LANES, ids % LANES
         out = {}
         for name in PLANES:
             p = getattr(self, name)
@@ -175,8 +177,7 @@ class QuantWeight:
                 out[name] = None
                 continue
             lane = p.dim() - 2 if name in ("lo", "hi") else p.dim() - 1
-            rows = p.movedim(lane, 1).reshape(p.shape[0] * LANES, *p.shape[1:lane], *p.shape[lane + 1 :])
-            sel = rows.index_select(0, ids)
+            sel = p.movedim(lane, 1)[tiles, lanes]  # [len(ids), ...]: a gather of the selected rows only
             sel = torch.cat([sel, sel.new_zeros((t * LANES - len(ids), *sel.shape[1:]))])
             out[name] = sel.reshape(t, LANES, *sel.shape[1:]).movedim(1, lane).contiguous()
         return replace(self, n=len(ids), **out)
