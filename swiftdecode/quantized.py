@@ -93,7 +93,7 @@ def build(gguf: Path, folder: Path, kernel: QKernel, progress: bool = False) -> 
             rest.append((t, path, pname))
     for t, path, module in tqdm(quantized, desc="loading quantized weights", disable=not progress):
         k, n = (int(s) for s in t.shape)
-        qw = QuantWeight.from_gguf(t.tensor_type.name, t.data, n, k, _row_order(processor, t.name, n))
+        qw = QuantWeight.from_gguf(t.tensor_type.name, t, n, k, _row_order(processor, t.name, n))
         if isinstance(module, nn.Embedding):
             new = QuantEmbedding(qw, kernel, getattr(module, "scalar_embed_scale", None))
         else:

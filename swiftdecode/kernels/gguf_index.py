@@ -1,5 +1,7 @@
-"""A GGUF file's tensor index (name, shape, type, bytes) and its string metadata, read without parsing the
-metadata arrays (the vocabulary) the way gguf's GGUFReader does: that takes seconds and hundreds of MB."""
+"""A GGUF file's tensor index (name, shape, type, where its bytes are) and its string metadata, read without
+parsing the metadata arrays (the vocabulary) as gguf's GGUFReader does: that takes seconds and hundreds of MB.
+Tensor bytes are read on demand with plain file reads, not memory-mapped, so a loaded model's resident memory
+holds no file pages."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+HEADER_BYTES = 64 << 20  # the metadata and tensor index lie in the first MBs (the vocabulary included)
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,24 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # GGUF order: shape[0] is the contiguous (column) dimension
     tensor_type: GGMLQuantizationType
-    data: np.ndarray  # the raw bytes, memory-mapped: [rows, row bytes]
+    path: Path
+    offset: int  # of the first byte in the file
+    n_rows: int
+    row_bytes: int
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start..stop of the raw bytes, [rows, row bytes] uint8."""
+        stop = self.n_rows if stop is None else min(stop, self.n_rows)
+        out = np.empty((stop - start, self.row_bytes), np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * self.row_bytes)
+            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+                raise ValueError(f"{self.path}: tensor {self.name} is truncated")
+        return out
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.read()
 
 
 class _Cursor:
@@ -52,10 +72,12 @@ class _Cursor:
 
 def read_index(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
     """(scalar and string metadata, tensors) of a GGUF v2/v3 file; tensor bytes are memory-mapped."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    c = _Cursor(memoryview(mm))
-    if bytes(mm[:4]) != b"GGUF":
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if head[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if len(head) == HEADER_BYTES else np.frombuffer(head, np.uint8)
+    c = _Cursor(memoryview(mm))
     c.pos = 4
     c.take("I")  # version
     n_tensors, n_kv = c.take("Q"), c.take("Q")
@@ -76,6 +98,6 @@ def read_index(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
         block, size = GGML_QUANT_SIZES[ttype]
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         row_bytes = dims[0] // block * size
-        data = mm[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
-        tensors.append(TensorInfo(name, dims, ttype, data))
+        tensors.append(TensorInfo(name, dims, ttype, Path(path), start + offset, rows, row_bytes))
+    del c, mm  # the header map only
     return meta, tensors

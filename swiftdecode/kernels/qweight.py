@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 LANES = 16  # output rows per tile (csrc LANES)
 
@@ -27,6 +28,7 @@ FORMATS = {
     "Q6_K": (7, 2, 256),
 }
 PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
+CHUNK_ROWS = 4096  # rows decoded at a time at load (a multiple of LANES): bounds the load's transient memory
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -120,6 +122,29 @@ def _scale_plane(a: np.ndarray, t: int) -> np.ndarray:
     return np.ascontiguousarray(_tile(a, t).transpose(0, 2, 1))
 
 
+class _Rows:
+    """An in-memory [rows, bytes] array behind the same read(start, stop) as a GGUF tensor on disk."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.a[start:stop]
+
+
+def _planes(kind: str, blocks: np.ndarray, hb: int) -> dict[str, np.ndarray]:
+    """Blocks of some rows [rows, nblk, bytes] -> their kernel planes, tiles first (rows padded to 16)."""
+    f = _decode(kind, blocks)
+    t = -(-blocks.shape[0] // LANES)
+    u = f.pop("u")
+    planes = {"lo": _nibble_plane(u & 15, t)}
+    if hb:
+        planes["hi"] = _hi_plane(u >> 4, t, hb)
+    for name, a in f.items():
+        planes[name] = _scale_plane(a.view(np.uint16) if a.dtype == np.float16 else a, t)
+    return planes
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A [n, k] weight in kernel planes (uint8 / fp16-bits torch tensors; None where the format has none)."""
@@ -146,23 +171,26 @@ class QuantWeight:
         return [getattr(self, p) for p in PLANES]
 
     @classmethod
-    def from_gguf(cls, kind: str, data: np.ndarray, n: int, k: int, rows: np.ndarray | None = None) -> QuantWeight:
-        """data: the GGUF tensor's bytes [n, row bytes]; rows: optional order of the rows (a permutation)."""
+    def from_gguf(cls, kind: str, data, n: int, k: int, rows: np.ndarray | None = None) -> QuantWeight:
+        """data: the GGUF tensor's bytes [n, row bytes], or an object whose read(start, stop) returns those rows
+        (read in chunks); rows: optional order of the rows (a permutation)."""
         if kind not in FORMATS:
             raise ValueError(f"GGUF type {kind} has no quantized kernel (supported: {', '.join(FORMATS)})")
         _, hb, block = FORMATS[kind]
         if k % block or k % 32:
             raise ValueError(f"{kind} weight with k={k} not a multiple of {block}")
-        blocks = np.asarray(data, dtype=np.uint8).reshape(n, k // block, -1)
-        if rows is not None:
-            blocks = blocks[rows]
-        f = _decode(kind, blocks)
-        t = -(-n // LANES)
-        u = f.pop("u")
-        planes = {"lo": _nibble_plane(u & 15, t), "hi": _hi_plane(u >> 4, t, hb) if hb else None}
-        for name, a in f.items():
-            planes[name] = _scale_plane(a.view(np.uint16) if a.dtype == np.float16 else a, t)
-        tensors = {p: None if planes.get(p) is None else torch.from_numpy(planes[p]) for p in PLANES}
+        if rows is not None or isinstance(data, np.ndarray):
+            whole = np.asarray(data if isinstance(data, np.ndarray) else data.read(), dtype=np.uint8)
+            data = _Rows(whole if rows is None else whole[rows])
+        t, block_bytes = -(-n // LANES), GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+        planes: dict[str, np.ndarray] = {}
+        for r0 in range(0, n, CHUNK_ROWS):  # row chunks: the decoded codes never exist for the whole tensor
+            part = data.read(r0, min(n, r0 + CHUNK_ROWS)).reshape(-1, k // block, block_bytes)
+            for name, a in _planes(kind, part, hb).items():
+                if name not in planes:
+                    planes[name] = np.empty((t, *a.shape[1:]), a.dtype)
+                planes[name][r0 // LANES : r0 // LANES + len(a)] = a
+        tensors = {p: torch.from_numpy(planes[p]) if p in planes else None for p in PLANES}
         return cls(kind, n, k, **tensors)
 
     def select_rows(self, ids: torch.Tensor) -> QuantWeight:
