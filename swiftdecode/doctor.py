@@ -165,6 +165,11 @@ def format_report(d: dict) -> str:
         f"CPU:        {d['cpu']}   torch threads: {d['threads']}",
         f"torch:      {d['torch']}   {d['blas']}",
         f"matmul:     {d['path']} — {d['reason']}",
+        *(
+            ["lossless:   verification on torch is not batch-invariant here (near-ties may flip a token vs ar)"]
+            if d["path"] == "torch"
+            else []
+        ),
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         "",

@@ -167,9 +167,13 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
       for (int s = 0; s < 4; s++) u[4 * p + s] = or_(u[4 * p + s], sll16(and_(srl16(v, 2 * s), m2), 4));
     }
   } else if (Fmt<F>::hb == 1) {
-    const vi m1 = set8(1);
     vi v = ld(hi + e * 4);
+#if defined(SD_AVX512)  // bit g of each byte -> +16 on group g's codes: a mask test and a masked add
+    for (int g = 0; g < 8; g++) u[g] = _mm512_mask_add_epi8(u[g], _mm512_test_epi8_mask(v, set8(1 << g)), u[g], set8(16));
+#else
+    const vi m1 = set8(1);
     for (int g = 0; g < 8; g++) u[g] = or_(u[g], sll16(and_(srl16(v, g), m1), 4));
+#endif
   }
   (void)uh;
 }
