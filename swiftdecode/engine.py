@@ -122,6 +122,7 @@ class Generator:
         self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
         self.step_s: float | None = None  # measured seconds of one draft forward (EMA)
+        self.search_step_s: float | None = None  # seconds of a search step: the last, or a decaying maximum
         self.rounds = 0
         vocab = self.sm.vocab_size
         self.token_counts = torch.zeros(vocab)  # tokens seen in prompts and outputs: the draft vocabulary's prior
@@ -231,13 +232,20 @@ class Generator:
         return out
 
     def _maybe_search(self, ctx: list[int], out: list[int], stats: GenerationStats) -> None:
-        """One search step if searching, within the overhead budget, once this request has generated a whole
-        matchness window (so windows hold its own output only)."""
-        budget = self.search_s < self.search.cfg.max_overhead * self.decode_s
-        if self.search.searching and budget and len(ctx) - stats.prompt_tokens >= self.cfg.window:
+        """One search step if searching, once this request has generated a whole matchness window (so windows
+        hold its own output only), within the overhead cap both over recent rounds and within this request:
+        the request's search time, this step's included (its expected cost), stays below the cap's share of
+        its decoding time, so short answers cannot overspend."""
+        cap = self.search.cfg.max_overhead
+        decoded = stats.time_split["draft"] + stats.time_split["verify"]
+        first_guess = FIRST_STEP_TOKENS * decoded / max(len(ctx) - stats.prompt_tokens, 1)  # before one is measured
+        step = self.search_step_s if self.search_step_s is not None else first_guess
+        within = self.search_s < cap * self.decode_s and stats.time_split["optimize"] + step <= cap * decoded
+        if self.search.searching and within and len(ctx) - stats.prompt_tokens >= self.cfg.window:
             t = time.perf_counter()
             self._search_step(ctx + out[:-1], out[-1])
             spent = time.perf_counter() - t
+            self.search_step_s = spent if self.search_step_s is None else max(spent, 0.8 * self.search_step_s)
             stats.time_split["optimize"] += spent
             self.search_s += spent
 
@@ -346,7 +354,9 @@ class Generator:
         if self.sm.cache.length < 2:
             return
         candidate = self.search.propose()
-        self.search.record(candidate, self.matchness(candidate, ctx + [pending]))
+        alpha = self.matchness(candidate, ctx + [pending])
+        challenger = self.search.challenges(candidate, alpha)  # then score the best set on the same window
+        self.search.record(candidate, alpha, self.matchness(self.search.best, ctx + [pending]) if challenger else None)
         self.skip = self.search.best
 
     def matchness(self, skip: SkipSet, ctx: list[int]) -> float:
@@ -422,6 +432,9 @@ def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:
     while n < len(ids) and len(decode(ids[:n])) <= chars:
         n += 1
     return ids[:n]
+
+
+FIRST_STEP_TOKENS = 3.0  # a search step (1-2 forwards of a 32-token window), guessed in per-token decoding time
 
 
 def _ema(old: float | None, new: float, keep: float = 0.8) -> float:

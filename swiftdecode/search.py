@@ -14,6 +14,8 @@ import numpy as np
 
 from swiftdecode.skip import SkipSet
 
+ADOPT_MARGIN = 1.005  # a candidate replaces the best set only if it scores 0.5% higher on the same window (noise)
+
 
 @dataclass(frozen=True)
 class SearchConfig:
@@ -86,23 +88,34 @@ class LayerSearch:
             return SkipSet.from_vector(self._ucb_pick())
         return SkipSet.from_vector(self._local_move(self.best.to_vector(self.n_layers)))
 
-    def record(self, skip: SkipSet, alpha: float) -> None:
-        """Register candidate `skip` with matchness `alpha`; update the best set and the stopping state."""
+    def challenges(self, skip: SkipSet, alpha: float) -> bool:
+        """Whether candidate `skip`, with matchness `alpha` on some window, would replace the best set: then the
+        best set must be scored on that same window before it is replaced (`record(..., incumbent=...)`)."""
+        return skip != self.best and (self.best_score < 0 or self.score(skip, alpha) > self.best_score * ADOPT_MARGIN)
+
+    def record(self, skip: SkipSet, alpha: float, incumbent: float | None = None) -> None:
+        """Register candidate `skip` with matchness `alpha`; `incumbent`: the best set's matchness on the same
+        window (needed whenever `challenges` says so). Updates the best set and the stopping state."""
         s = self.score(skip, alpha)
         self.X.append(skip.to_vector(self.n_layers))
         self.y.append(s)
         self.evals += 1
-        if skip == self.best:  # (re-)measured on a new window: average out the noise
-            first = self.best_score < 0
-            self.best_score = s if first else 0.5 * (self.best_score + s)
-            self.best_alpha = alpha if first else 0.5 * (self.best_alpha + alpha)
-        elif s > self.best_score * 1.005:
-            self.best, self.best_score, self.best_alpha, self.stale = skip, s, alpha, 0
-            return
+        if incumbent is not None and skip != self.best:
+            self._remeasure(self.score(self.best, incumbent), incumbent)
+            if s > self.score(self.best, incumbent) * ADOPT_MARGIN:  # better on the very same window
+                self.best, self.best_score, self.best_alpha, self.stale = skip, s, alpha, 0
+                return
+        elif skip == self.best:  # (re-)measured on a new window: average out the noise
+            self._remeasure(s, alpha)
         self.stale += 1
         done = self.best_alpha >= self.cfg.target_matchness or self.stale >= self.cfg.patience
         if done or self.evals >= self.cfg.max_evals:
             self.searching, self.accept_level, self.accept_ema = False, None, None
+
+    def _remeasure(self, s: float, alpha: float) -> None:
+        first = self.best_score < 0
+        self.best_score = s if first else 0.5 * (self.best_score + s)
+        self.best_alpha = alpha if first else 0.5 * (self.best_alpha + alpha)
 
     def observe_acceptance(self, accepted: float) -> None:
         """Track accepted tokens per round after convergence; a clear drop (a new task) restarts the search."""

@@ -126,16 +126,34 @@ def test_search_moves_to_better_sets_and_stops():
     cost = DraftCost(1 / 17, np.full(8, 1 / 17), np.full(8, 1 / 17), 0.0, read=(1.0, 0.8, 0.6))
     search = LayerSearch(10, cost, SearchConfig(beta=5, patience=15, max_evals=300), SkipSet())
     good = {1, 2, 3}
+    alpha_of = lambda c: max(0.95 - 0.1 * len(c.attn ^ good) - 0.1 * len(c.mlp) - 0.1 * (c.sparsity == 2), 0.0)
     for _ in range(300):
         if not search.searching:
             break
         cand = search.propose()
-        alpha = 0.95 - 0.1 * len(cand.attn ^ good) - 0.1 * len(cand.mlp) - 0.1 * (cand.sparsity == 2)
-        search.record(cand, max(alpha, 0.0))
+        alpha = alpha_of(cand)
+        search.record(cand, alpha, alpha_of(search.best) if search.challenges(cand, alpha) else None)
     assert not search.searching
     assert search.best.attn == good and not search.best.mlp
     assert search.best.sparsity == 1  # cheaper than dense at the same matchness; level 2 costs matchness
     assert expected_speedup(0.9, 0.3, 1.1, 8) > expected_speedup(0.5, 0.3, 1.1, 8) > 0
+
+
+def test_a_lucky_window_does_not_win_the_search():
+    """A candidate scored high on an easy window replaces the best set only if it beats it on that window."""
+    cost = DraftCost(0.1, np.full(8, 0.05), np.full(8, 0.05), 0.0)
+    incumbent, challenger = SkipSet(frozenset({1})), SkipSet(frozenset({2}))
+    search = LayerSearch(10, cost, SearchConfig(), incumbent)
+    search.record(incumbent, 0.80)  # its score on an ordinary window
+    assert search.challenges(challenger, 0.90)  # an easy window: everything matches more there
+    search.record(challenger, 0.90, incumbent=0.95)  # ... the best set too, and more
+    assert search.best == incumbent
+    assert search.challenges(challenger, 0.99)
+    search.record(challenger, 0.99, incumbent=0.95)
+    assert search.best == challenger
+    restarted = LayerSearch(10, cost, SearchConfig(), incumbent)  # no score yet (a restart): still compared
+    restarted.record(challenger, 0.5, incumbent=0.7)
+    assert restarted.best == incumbent
 
 
 @pytest.mark.parametrize("sparsity", [0, 3])
@@ -260,3 +278,25 @@ def test_first_request_thresholds_come_from_the_prompt(smollm_fp32):
     with fastpath.calibrate():
         SwiftModel(model).prefill(ids)
     assert all(torch.equal(a, m.thresholds) for a, m in zip(after, roles, strict=True))
+
+
+def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
+    """Short answers cannot overspend: each request's search time stays within the cap's share of its decoding
+    time (the search step is stubbed to a fixed cost, so this checks the accounting, not machine speed)."""
+    import time
+
+    model, tok = smollm
+    gen = Generator(model, tok, method="swift")
+    steps = []
+
+    def step(ctx, pending):
+        steps.append(len(ctx))
+        time.sleep(0.004)
+
+    monkeypatch.setattr(gen, "_search_step", step)
+    for prompt in ("Count from one to thirty in words.", "List twenty animals.", "Write a short poem about rain."):
+        gen.decode_s = 100.0  # long earlier traffic: the running budget alone would allow a burst here
+        res = gen.generate(prompt, max_new_tokens=128, chat=True)
+        split = res.stats.time_split
+        assert split["optimize"] <= 1.05 * gen.search.cfg.max_overhead * (split["draft"] + split["verify"])
+    assert steps  # the search did run
