@@ -26,6 +26,22 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def qwen():
+    """(model, tokenizer) of Qwen2.5-Coder-0.5B-Instruct on its own quantized GGUF blocks (Q5_0/Q8_0/Q4_K/Q6_K)."""
+    import swiftdecode
+
+    return swiftdecode.load("qwen2.5-coder-0.5b", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """(model, tokenizer) of Gemma-3-270M (base model; sliding-window attention, runs through transformers)."""
+    import swiftdecode
+
+    return swiftdecode.load("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm_fp32():
     """(model, tokenizer) of SmolLM2-135M-Instruct dequantised to float32 (`--weights fp32`), fast path."""
     import swiftdecode

@@ -57,11 +57,10 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
         assert set(res["by_category"]) == {"writing", "qa"}  # not Spec-Bench: categories as written
         for cat in res["by_category"].values():
             assert keys <= cat.keys() and cat["n"] == 1
-        assert 0 <= res["overall"]["agreement"] <= 1
     for m in ("ar", "swift"):
         assert results["methods"][m]["overall"]["lossless"] is True, results["mismatches"]
+        assert results["methods"][m]["overall"]["agreement"] == 1.0
         assert res["overall"]["tokens_per_s"] > 0
-    assert results["methods"]["hf"]["overall"]["speedup_vs_hf"] == pytest.approx(1.0)
     assert all(m["method"] == "hf" for m in results["mismatches"])
     records = results["records"]
     assert len(records) == 6 and all(r["new_tokens"] > 0 for r in records)
@@ -172,7 +171,7 @@ def test_hf_assisted_methods_match_plain_greedy(method):
     out = bench.hf_runner(method, model, TinyTok(), args)(prompt, 0)
     assert len(plain.token_ids) == 12 and out.token_ids == plain.token_ids
     assert plain.rounds is None and plain.acceptance_rate is None
-    assert out.rounds >= 1 and 1.0 <= out.mean_accepted_tokens and 0.0 <= out.acceptance_rate <= 1.0
+    assert out.rounds >= 1 and 1.0 <= out.mean_accepted_tokens and out.acceptance_rate is not None
     assert "_get_candidate_generator" not in vars(model)  # the probe unwrapped itself
 
 

@@ -174,7 +174,7 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, smollm_fp32,
     sm.reset()
     sm.prefill(ctx[:-1])
     P = sm.cache.length
-    one_forward = gen.matchness(skip, ctx)  # window = 32 > W: covers our positions too
+    gen.matchness(skip, ctx)  # window = 32 > W: covers our positions too
     assert sm.cache.length == P  # rolled back
     hits = []
     for pos in range(P - W, P):
@@ -188,7 +188,6 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, smollm_fp32,
     sm.prefill(ctx[:-1])
     gen.cfg = type(gen.cfg)(**{**gen.cfg.__dict__, "window": W})
     assert math.isclose(gen.matchness(skip, ctx), sum(hits) / W)
-    assert 0.0 <= one_forward <= 1.0
 
 
 @pytest.mark.parametrize(
@@ -216,7 +215,7 @@ def test_bad_input_is_a_user_error(smollm, kwargs, msg):
 def test_stop_string_eos_and_max_tokens(smollm):
     gen = Generator(*smollm, method="swift")
     full = gen.generate("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True)
-    assert full.finish_reason in ("stop", "length") and len(full.token_ids) <= 60
+    assert full.finish_reason == ("length" if len(full.token_ids) == 60 else "stop") and len(full.token_ids) <= 60
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
     cut = gen.generate("Count from 1 to 20, separated by commas.", max_new_tokens=60, chat=True, stop=[stop])
     assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)

@@ -275,7 +275,30 @@ def test_doctor_reports_both_paths(kernel, smollm):
     model, _ = smollm
     d = diagnose(model, "auto", context=8, repeats=1)
     assert d["path"] == f"skinny-{kernel.isa}" and set(d["paths"]) == {"torch", d["path"]}
-    assert set(d["forward_ms"]) == set(KS) and d["ratio"][1] == 1.0
+    assert set(d["forward_ms"]) == set(KS) and d["weight_format"].startswith("quantized Q")
     assert d["bandwidth_gbs"] > 0 and d["effective_gbs"] > 0
     assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
     assert "speedup" in format_report(d)
+
+
+@pytest.mark.parametrize("name", ["smollm", "qwen", "gemma"])
+def test_k_rows_equal_one_row_at_any_thread_count(request, name):
+    """On the engine's forward (quantized kernel; lean layers, or transformers' for Gemma), an 8-token chain
+    returns bit-for-bit the logits of 8 one-token forwards, at 1, 2, 3 and 4 threads (norms, rotary and
+    activations included)."""
+    from swiftdecode.model import SwiftModel
+
+    model, _ = request.getfixturevalue(name)
+    sm, ids, threads = SwiftModel(model), list(range(1000, 1038)), torch.get_num_threads()
+    try:
+        for t in (1, 2, 3, 4):
+            torch.set_num_threads(t)
+            sm.reset()
+            sm.prefill(ids[:30])
+            chain = sm.logits(sm.forward(ids[30:], torch.arange(30, 38), torch.ones(8, 8, dtype=torch.bool).tril()))
+            sm.cache.truncate(30)
+            for i in range(8):
+                one = sm.logits(sm.forward([ids[30 + i]], torch.tensor([30 + i]), torch.ones(1, 1, dtype=torch.bool)))
+                assert torch.equal(chain[i], one[0]), f"{t} threads, row {i}: {(chain[i] - one[0]).abs().max()}"
+    finally:
+        torch.set_num_threads(threads)
