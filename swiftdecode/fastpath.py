@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftdecode.errors import UserError
-from swiftdecode.kernels.build import KernelUnavailable, build, check_platform, cpu_flags
+from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.modules import QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
@@ -45,16 +45,6 @@ class FastPathInfo:
     path: str
     reason: str
     patched: int = 0
-
-
-def best_isa() -> str:
-    """The widest kernel ISA this CPU supports; KernelUnavailable if none."""
-    check_platform()
-    flags = cpu_flags()
-    for isa, need in ISA_CPU_FLAGS.items():
-        if need <= flags:
-            return isa
-    raise KernelUnavailable("CPU lacks AVX2+FMA")
 
 
 def build_kernel(isa: str, out_dir: Path | None = None) -> Path:
@@ -149,10 +139,8 @@ _KERNELS: dict[str, Kernel] = {}
 
 def load_kernel(isa: str | None = None) -> Kernel:
     """Build (once, cached on disk) and load the kernel, then check it against torch; KernelUnavailable if not."""
-    isa = isa or best_isa()
+    isa = pick_isa(ISA_CPU_FLAGS, isa)
     if isa not in _KERNELS:
-        if not ISA_CPU_FLAGS[isa] <= cpu_flags():
-            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(ISA_CPU_FLAGS[isa]))}")
         try:
             kernel = Kernel(isa, build_kernel(isa))
         except OSError as e:  # dlopen failure

@@ -36,6 +36,21 @@ def check_platform() -> None:
         raise KernelUnavailable(f"no kernel for {platform.system()}/{platform.machine()} (Linux x86-64 only)")
 
 
+def pick_isa(table: dict[str, set[str]], isa: str | None = None) -> str:
+    """`isa` if this CPU has its features, else (isa None) the first build of `table` (widest first) it runs;
+    KernelUnavailable if none. table: ISA name -> the /proc/cpuinfo flags that build needs."""
+    check_platform()
+    flags = cpu_flags()
+    if isa is not None:
+        if not table[isa] <= flags:
+            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(table[isa]))}")
+        return isa
+    for name, need in table.items():
+        if need <= flags:
+            return name
+    raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(table[next(reversed(table))]))}")
+
+
 def kernel_dir() -> Path:
     from swiftdecode.models import resolve_cache_dir
 

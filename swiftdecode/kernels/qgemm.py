@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from swiftdecode.kernels.build import KernelUnavailable, build, check_platform, cpu_flags
+from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
@@ -26,16 +26,6 @@ ISA_CPU_FLAGS = {
 }
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-
-
-def best_isa() -> str:
-    """The widest qgemm build this CPU runs; KernelUnavailable if none."""
-    check_platform()
-    flags = cpu_flags()
-    for isa, need in ISA_CPU_FLAGS.items():
-        if need <= flags:
-            return isa
-    raise KernelUnavailable("CPU lacks AVX2+FMA+F16C")
 
 
 class _Desc(ctypes.Structure):
@@ -91,10 +81,8 @@ _KERNELS: dict[str, QKernel] = {}
 
 def load_qkernel(isa: str | None = None) -> QKernel:
     """Build (once, cached on disk) and load the qgemm library for `isa` (default: the best this CPU runs)."""
-    isa = isa or best_isa()
+    isa = pick_isa(ISA_CPU_FLAGS, isa)
     if isa not in _KERNELS:
-        if not ISA_CPU_FLAGS[isa] <= cpu_flags():
-            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(ISA_CPU_FLAGS[isa]))}")
         try:
             _KERNELS[isa] = QKernel(isa, build(SOURCE, f"qgemm_{isa}", ISA_FLAGS[isa]))
         except OSError as e:
