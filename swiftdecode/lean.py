@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftdecode.cache import SwiftCache
+from swiftdecode.kernels.modules import QuantLinear
 from swiftdecode.skip import SkipSet
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")  # same layer anatomy; Qwen3 (q/k norms) and Gemma run through HF
@@ -66,18 +67,24 @@ class LeanDecoder:
                 x = x + self._attention(layer.self_attn, self._norm(x, layer.input_layernorm), cos, sin, mask, cache, i)
             if i not in skip.mlp:
                 mlp, h = layer.mlp, self._norm(x, layer.post_attention_layernorm)
-                x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+                gate, up = _project(h, (mlp.gate_proj, mlp.up_proj))
+                x = x + mlp.down_proj(F.silu(gate, inplace=True).mul_(up))
             if observe is not None:
                 observe(i, h_in, x)
         return self._norm(x, self.base.norm)
 
     def _attention(self, attn, h, cos, sin, mask, cache, i) -> torch.Tensor:
         q_len, d = h.shape[0], self.head_dim
-        q = attn.q_proj(h).view(q_len, -1, d)
-        k = attn.k_proj(h).view(q_len, -1, d)
-        v = attn.v_proj(h).view(q_len, -1, d)
+        q, k, v = (t.view(q_len, -1, d) for t in _project(h, (attn.q_proj, attn.k_proj, attn.v_proj)))
         q, k = self.kernel.rope(q.contiguous(), cos, sin), self.kernel.rope(k.contiguous(), cos, sin)
         keys, values = cache.layers[i].update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         t = keys.shape[2]
         out = self.kernel.attention(q.transpose(0, 1), keys[0], values[0], mask[:, :t], self.scale)
         return attn.o_proj(out.reshape(q_len, -1))
+
+
+def _project(h: torch.Tensor, linears: tuple) -> list[torch.Tensor]:
+    """The projections of one input: a single kernel call when they are all quantized (x quantized once)."""
+    if all(isinstance(m, QuantLinear) for m in linears):
+        return linears[0].kernel.linear_many(h, [m.qweight for m in linears], [m.bias for m in linears])
+    return [m(h) for m in linears]

@@ -106,3 +106,15 @@ def test_quantized_model_keeps_weights_quantized(smollm):
     ids = torch.tensor([[0, 17, 4000, 49151]])
     got = model.get_input_embeddings()(ids)[0]
     assert torch.equal(got, torch.from_numpy(ref[ids[0].numpy()].astype(np.float32)))
+
+
+def test_one_call_for_several_weights_equals_separate_calls():
+    """q/k/v (or gate/up) in one call: x quantized once, tiles of all weights in one pass, same bits."""
+    k = 256
+    ws = [QuantWeight.from_gguf(kind, random_blocks(kind, n, k, seed), n, k)
+          for seed, (kind, n) in enumerate([("Q5_0", 48), ("Q8_0", 16), ("Q4_K", 40)])]  # fmt: skip
+    biases = [torch.randn(48), None, torch.randn(40)]
+    x = torch.randn(5, k)
+    for kern in kernels():
+        many = kern.linear_many(x, ws, biases)
+        assert all(torch.equal(y, kern.linear(x, w, b)) for y, w, b in zip(many, ws, biases, strict=True))

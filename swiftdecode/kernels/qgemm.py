@@ -24,6 +24,7 @@ ISA_CPU_FLAGS = {
     "avx512": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
 }
+MAX_WEIGHTS = 8  # csrc MAX_WEIGHTS: weights one linear_many call takes
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -50,7 +51,7 @@ class QKernel:
         self.isa = isa
         self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
         self._linear = getattr(self._lib, f"sd_qlinear_{isa}")
-        self._linear.argtypes = [ctypes.POINTER(_Desc), _P, _P, _P, _I, ctypes.c_int]
+        self._linear.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int]
         self._deq = getattr(self._lib, f"sd_dequant_rows_{isa}")
         self._deq.argtypes = [ctypes.POINTER(_Desc), _P, _I, _P]
         for f in (self._linear, self._deq):
@@ -58,13 +59,25 @@ class QKernel:
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N] fp32 (+ bias [N] fp32): row i depends on x's row i only, bit for bit."""
-        x2 = x.reshape(-1, w.k)
+        return self.linear_many(x, [w], [bias])[0]
+
+    def linear_many(
+        self, x: torch.Tensor, ws: list[QuantWeight], biases: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        """[x W_i^T + b_i] for weights of the same K in one call (x quantized once, one parallel pass): each
+        output is bit-for-bit what `linear` returns for that weight alone."""
+        if not 1 <= len(ws) <= MAX_WEIGHTS or len({w.k for w in ws}) != 1:
+            raise ValueError(f"1..{MAX_WEIGHTS} weights of one input size expected")
+        x2 = x.reshape(-1, ws[0].k)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = torch.empty((*x.shape[:-1], w.n), dtype=torch.float32)
-        b = None if bias is None else bias.data_ptr()
-        self._linear(_desc(w), x2.data_ptr(), b, y.data_ptr(), x2.shape[0], torch.get_num_threads())
-        return y
+        ys = [torch.empty((*x.shape[:-1], w.n), dtype=torch.float32) for w in ws]
+        n = len(ws)
+        descs = (ctypes.c_void_p * n)(*(ctypes.addressof(_desc(w)) for w in ws))
+        bs = (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases))
+        outs = (ctypes.c_void_p * n)(*(y.data_ptr() for y in ys))
+        self._linear(descs, bs, outs, n, x2.data_ptr(), x2.shape[0], torch.get_num_threads())
+        return ys
 
     def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` [...] as fp32 [..., K], exactly as GGUF's reference dequantization gives them."""

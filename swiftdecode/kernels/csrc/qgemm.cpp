@@ -259,15 +259,25 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
   }
 }
 
+// Every input row against one row tile (all M rows, in register blocks of MBLK, 2, 1).
 template <int F>
-static void gemm(const QW& w, const QX& x, const float* bias, float* y, int64_t M, int nthreads) {
-  const int64_t T = (w.N + LANES - 1) / LANES;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < T; t++) {
-    int64_t m = 0;
-    for (; m + MBLK <= M; m += MBLK) tile_rows<F, MBLK>(w, x, bias, y, t, m);
-    for (; m + 2 <= M; m += 2) tile_rows<F, 2>(w, x, bias, y, t, m);
-    for (; m < M; m++) tile_rows<F, 1>(w, x, bias, y, t, m);
+static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
+  int64_t m = 0;
+  for (; m + MBLK <= M; m += MBLK) tile_rows<F, MBLK>(w, x, bias, y, t, m);
+  for (; m + 2 <= M; m += 2) tile_rows<F, 2>(w, x, bias, y, t, m);
+  for (; m < M; m++) tile_rows<F, 1>(w, x, bias, y, t, m);
+}
+
+static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
+  switch (fmt) {
+    case F_Q4_0: tile_all_rows<F_Q4_0>(w, x, bias, y, t, M); break;
+    case F_Q4_1: tile_all_rows<F_Q4_1>(w, x, bias, y, t, M); break;
+    case F_Q5_0: tile_all_rows<F_Q5_0>(w, x, bias, y, t, M); break;
+    case F_Q5_1: tile_all_rows<F_Q5_1>(w, x, bias, y, t, M); break;
+    case F_Q8_0: tile_all_rows<F_Q8_0>(w, x, bias, y, t, M); break;
+    case F_Q4_K: tile_all_rows<F_Q4_K>(w, x, bias, y, t, M); break;
+    case F_Q5_K: tile_all_rows<F_Q5_K>(w, x, bias, y, t, M); break;
+    case F_Q6_K: tile_all_rows<F_Q6_K>(w, x, bias, y, t, M); break;
   }
 }
 
@@ -303,25 +313,31 @@ struct QWDesc {  // one weight's planes, bound once from Python (kernels/qgemm.p
   const uint8_t* mn;
 };
 
-// y [M, N] = x [M, K] W^T (+ bias): quantizes x (scratch owned here), then one parallel pass over row tiles.
-extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* wd, const float* xf, const float* bias, float* y,
-                                            int64_t M, int nthreads) {
-  const int64_t K = wd->K;
+#define MAX_WEIGHTS 8  // weights sharing one input per call (q/k/v, gate/up)
+
+// ys[i] [M, N_i] = x [M, K] W_i^T (+ biases[i]) for nw weights of the same K: x is quantized once (scratch owned
+// here), then one parallel pass runs over the row tiles of all weights, so small projections (k/v) share a
+// fork with large ones. A tile's result does not depend on which call or pass computed it.
+extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const float* const* biases, float* const* ys,
+                                            int nw, const float* xf, int64_t M, int nthreads) {
+  const int64_t K = wds[0]->K;
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   std::unique_ptr<float[]> d(new float[M * K / 32]);
   std::unique_ptr<int32_t[]> s(new int32_t[M * K / 16]);
   quantize_rows(xf, q.get(), d.get(), s.get(), M, K, nthreads);
-  const QW w = {wd->lo, wd->hi, wd->d, wd->d2, wd->sc, wd->mn, wd->N, K};
   const QX x = {q.get(), d.get(), s.get(), K};
-  switch (wd->fmt) {
-    case F_Q4_0: gemm<F_Q4_0>(w, x, bias, y, M, nthreads); break;
-    case F_Q4_1: gemm<F_Q4_1>(w, x, bias, y, M, nthreads); break;
-    case F_Q5_0: gemm<F_Q5_0>(w, x, bias, y, M, nthreads); break;
-    case F_Q5_1: gemm<F_Q5_1>(w, x, bias, y, M, nthreads); break;
-    case F_Q8_0: gemm<F_Q8_0>(w, x, bias, y, M, nthreads); break;
-    case F_Q4_K: gemm<F_Q4_K>(w, x, bias, y, M, nthreads); break;
-    case F_Q5_K: gemm<F_Q5_K>(w, x, bias, y, M, nthreads); break;
-    case F_Q6_K: gemm<F_Q6_K>(w, x, bias, y, M, nthreads); break;
+  QW w[MAX_WEIGHTS];
+  int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
+  for (int i = 0; i < nw; i++) {
+    const QWDesc* wd = wds[i];
+    w[i] = {wd->lo, wd->hi, wd->d, wd->d2, wd->sc, wd->mn, wd->N, K};
+    first[i + 1] = first[i] + (wd->N + LANES - 1) / LANES;
+  }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t g = 0; g < first[nw]; g++) {
+    int i = 0;
+    while (g >= first[i + 1]) i++;
+    run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M);
   }
 }
 
