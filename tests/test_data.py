@@ -6,8 +6,6 @@ import pytest
 from swiftdecode.data import MT_BENCH, Prompt, load_prompts
 from swiftdecode.errors import UserError
 
-SPEC_BENCH = Path("/work/shared/data/spec_bench.jsonl")
-
 
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
@@ -99,9 +97,8 @@ def test_humaneval():
     assert len(load_prompts("humaneval")) == 164
 
 
-@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench data not present")
-def test_spec_bench_six_tasks():
-    prompts = load_prompts(str(SPEC_BENCH), limit=5)
+def test_spec_bench_six_tasks(spec_bench_path):
+    prompts = load_prompts(str(spec_bench_path), limit=5)
     cats = list(dict.fromkeys(p.category for p in prompts))
     assert sorted(cats) == ["math_reasoning", "mt-bench", "qa", "rag", "summarization", "translation"]
     assert len(prompts) == 30
