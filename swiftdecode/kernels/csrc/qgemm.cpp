@@ -137,7 +137,11 @@ static inline vf fload(const float* p, int n) {
 
 #define SD_PASTE(a, b) a##_##b
 #define SD_EXPORT(a, b) SD_PASTE(a, b)
-#define MBLK 4  // input rows per pass over a tile's weights (accumulators kept in registers)
+#if defined(SD_AVX512)
+#define MBLK 8  // input rows per pass over a tile's weights (accumulators kept in registers: 32 of them here)
+#else
+#define MBLK 4  // 16 registers: 8 code vectors (16 for 8-bit codes) leave room for 4 rows
+#endif
 
 // Codes of one 32-block for W lanes starting at lane e: 8 vectors of 4-value groups (u[g], g = 0..7). For
 // 8-bit codes on AVX2 the high nibbles go to uh (dot products with codes above 63 could saturate there).
@@ -259,13 +263,23 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
   }
 }
 
-// Every input row against one row tile (all M rows, in register blocks of MBLK, 2, 1).
+// Every input row against one row tile, in register blocks of MBLK rows and one block for the rest: each block
+// unpacks the tile's codes once, so fewer, fuller blocks cost less (3 rows in one block, not 2 + 1).
 template <int F>
 static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
   int64_t m = 0;
   for (; m + MBLK <= M; m += MBLK) tile_rows<F, MBLK>(w, x, bias, y, t, m);
-  for (; m + 2 <= M; m += 2) tile_rows<F, 2>(w, x, bias, y, t, m);
-  for (; m < M; m++) tile_rows<F, 1>(w, x, bias, y, t, m);
+  switch (M - m) {
+#if MBLK > 4
+    case 7: tile_rows<F, 7>(w, x, bias, y, t, m); break;
+    case 6: tile_rows<F, 6>(w, x, bias, y, t, m); break;
+    case 5: tile_rows<F, 5>(w, x, bias, y, t, m); break;
+    case 4: tile_rows<F, 4>(w, x, bias, y, t, m); break;
+#endif
+    case 3: tile_rows<F, 3>(w, x, bias, y, t, m); break;
+    case 2: tile_rows<F, 2>(w, x, bias, y, t, m); break;
+    case 1: tile_rows<F, 1>(w, x, bias, y, t, m); break;
+  }
 }
 
 static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
