@@ -90,32 +90,33 @@ def weight_format(model) -> str:
 
 
 def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict[int, float]]]:
-    """Median wall and calling-thread CPU ms of a k-token forward after `context` tokens, per fast-path mode
-    ({path: {"wall": {k: ms}, "cpu": {k: ms}}}); repeats interleaved. With one torch thread, CPU time is
-    the forward's own work, unaffected by other processes taking the cores."""
+    """Median wall and calling-thread CPU ms of the engine's k-token forward (a verification: k causal rows and
+    their full-vocabulary logits) after `context` tokens, per fast-path mode ({path: {"wall": {k: ms}, "cpu":
+    {k: ms}}}); repeats interleaved. With one torch thread, CPU time is the forward's own work, unaffected by
+    other processes taking the cores."""
     import torch
-    from transformers import DynamicCache
 
     from swiftdecode.fastpath import accelerate
+    from swiftdecode.model import SwiftModel
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=g)
-    new = torch.randint(0, vocab, (1, max(KS)), generator=g)
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    new = torch.randint(0, vocab, (max(KS),), generator=g).tolist()
     times = {p: {c: {k: [] for k in KS} for c in ("wall", "cpu")} for p in paths}
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(prompt, cache=cache, use_cache=True)
-        for rep in range(repeats + 1):  # first round warms up
-            for path in paths:
-                accelerate(model, path)
-                for k in KS:
-                    t, c = time.perf_counter(), time.thread_time()
-                    model(new[:, :k], cache=cache, use_cache=True)
-                    if rep:
-                        times[path]["cpu"][k].append((time.thread_time() - c) * 1e3)
-                        times[path]["wall"][k].append((time.perf_counter() - t) * 1e3)
-                    cache.crop(-k)
+    sm = SwiftModel(model)
+    sm.prefill(prompt)
+    for rep in range(repeats + 1):  # first round warms up
+        for path in paths:
+            accelerate(model, path)
+            for k in KS:
+                causal = torch.ones(k, k, dtype=torch.bool).tril_()
+                t, c = time.perf_counter(), time.thread_time()
+                sm.logits(sm.forward(new[:k], torch.arange(context, context + k), causal))
+                if rep:
+                    times[path]["cpu"][k].append((time.thread_time() - c) * 1e3)
+                    times[path]["wall"][k].append((time.perf_counter() - t) * 1e3)
+                sm.cache.truncate(context)
     return {p: {c: {k: statistics.median(v) for k, v in d.items()} for c, d in ts.items()} for p, ts in times.items()}
 
 
