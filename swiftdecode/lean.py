@@ -34,19 +34,15 @@ def supported(model: torch.nn.Module) -> bool:
 
 
 class LeanDecoder:
-    """Forward of the decoder's layers on a SwiftCache; `kernel` is the fast path's fp32 kernel (attention,
-    RMSNorm)."""
+    """Forward of the decoder's layers on a SwiftCache, with the fast path's fp32 kernel library (attention,
+    RMSNorm, rotary) passed to each call."""
 
-    def __init__(self, model: torch.nn.Module, kernel):
+    def __init__(self, model: torch.nn.Module):
         self.base = model.get_decoder()
         self.layers = self.base.layers
-        self.kernel = kernel
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.eps = self.layers[0].input_layernorm.variance_epsilon
-
-    def _norm(self, x: torch.Tensor, module) -> torch.Tensor:
-        return self.kernel.rmsnorm(x, module.weight, self.eps)
 
     def forward(
         self,
@@ -55,31 +51,34 @@ class LeanDecoder:
         mask: torch.Tensor,
         cache: SwiftCache,
         skip: SkipSet,
+        kernel,
         observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """ids, positions [q]; mask [q, T] additive over the keys of a layer that has every entry (a layer whose
         attention was skipped in a draft has fewer: its keys are the mask's first columns). Returns [q, H]."""
+        norm = lambda x, module: kernel.rmsnorm(x, module.weight, self.eps)
         x = self.base.embed_tokens(ids)
         cos, sin = (t[0].float().contiguous() for t in self.base.rotary_emb(x[None], positions[None]))  # [q, D]
         for i, layer in enumerate(self.layers):
             h_in = x
             if i not in skip.attn:
-                x = x + self._attention(layer.self_attn, self._norm(x, layer.input_layernorm), cos, sin, mask, cache, i)
+                h = norm(x, layer.input_layernorm)
+                x = x + self._attention(layer.self_attn, h, cos, sin, mask, cache, i, kernel)
             if i not in skip.mlp:
-                mlp, h = layer.mlp, self._norm(x, layer.post_attention_layernorm)
+                mlp, h = layer.mlp, norm(x, layer.post_attention_layernorm)
                 gate, up = _project(h, (mlp.gate_proj, mlp.up_proj))
                 x = x + mlp.down_proj(F.silu(gate, inplace=True).mul_(up))
             if observe is not None:
                 observe(i, h_in, x)
-        return self._norm(x, self.base.norm)
+        return norm(x, self.base.norm)
 
-    def _attention(self, attn, h, cos, sin, mask, cache, i) -> torch.Tensor:
+    def _attention(self, attn, h, cos, sin, mask, cache, i, kernel) -> torch.Tensor:
         q_len, d = h.shape[0], self.head_dim
         q, k, v = (t.view(q_len, -1, d) for t in _project(h, (attn.q_proj, attn.k_proj, attn.v_proj)))
-        q, k = self.kernel.rope(q.contiguous(), cos, sin), self.kernel.rope(k.contiguous(), cos, sin)
+        q, k = kernel.rope(q.contiguous(), cos, sin), kernel.rope(k.contiguous(), cos, sin)
         keys, values = cache.layers[i].update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         t = keys.shape[2]
-        out = self.kernel.attention(q.transpose(0, 1), keys[0], values[0], mask[:, :t], self.scale)
+        out = kernel.attention(q.transpose(0, 1), keys[0], values[0], mask[:, :t], self.scale)
         return attn.o_proj(out.reshape(q_len, -1))
 
 

@@ -35,7 +35,7 @@ class SwiftModel:
         self.draft_ids: torch.Tensor | None = None
         self.draft_weight: torch.Tensor | QuantWeight | None = None
         self.cache = SwiftCache(self.n_layers)
-        self.lean = lean.LeanDecoder(model, None) if lean.supported(model) else None
+        self.lean = lean.LeanDecoder(model) if lean.supported(model) else None
         self.observer = None  # optional fn(layer, hidden in, hidden out) called by the lean forward
 
     def reset(self) -> None:
@@ -63,10 +63,11 @@ class SwiftModel:
         kernel = fastpath.FastLinear.kernel
         on_kernel = getattr(self.model.config, "_attn_implementation", None) == "swiftdecode" and kernel is not None
         if self.lean is not None and on_kernel and not self.layer_types:
-            self.lean.kernel = kernel
             ids_t = torch.tensor(ids, device=self.device)
             with fastpath.sparse_draft(skip.sparsity if skip else 0):
-                return self.lean.forward(ids_t, positions, mask[0, 0], self.cache, skip or SkipSet(), self.observer)
+                return self.lean.forward(
+                    ids_t, positions, mask[0, 0], self.cache, skip or SkipSet(), kernel, self.observer
+                )
         with self.skipper.use(skip), fastpath.sparse_draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),

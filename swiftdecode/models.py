@@ -243,8 +243,8 @@ def _meta_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool, cop
     def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if copy:
-            shutil.copyfile(gguf, tmp / GGUF_FILE)
+        if copy:  # an assembled GGUF (in the build folder) is moved; an installed single part is copied
+            (shutil.move if gguf.parent.name.startswith(".build-") else shutil.copyfile)(gguf, tmp / GGUF_FILE)
 
     _write_entry(entry, source_sha256, gguf, fill)
 

@@ -14,7 +14,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-HEADER_BYTES = 64 << 20  # the metadata and tensor index lie in the first MBs (the vocabulary included)
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,9 @@ class _Cursor:
 
 def read_index(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
     """(scalar and string metadata, tensors) of a GGUF v2/v3 file; tensor bytes are memory-mapped."""
-    with open(path, "rb") as f:
-        head = f.read(HEADER_BYTES)
-    if head[:4] != b"GGUF":
+    mm = np.memmap(path, dtype=np.uint8, mode="r")  # only the header pages parsed below become resident
+    if bytes(mm[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if len(head) == HEADER_BYTES else np.frombuffer(head, np.uint8)
     c = _Cursor(memoryview(mm))
     c.pos = 4
     c.take("I")  # version
@@ -99,5 +96,4 @@ def read_index(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         row_bytes = dims[0] // block * size
         tensors.append(TensorInfo(name, dims, ttype, Path(path), start + offset, rows, row_bytes))
-    del c, mm  # the header map only
     return meta, tensors

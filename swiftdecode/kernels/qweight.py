@@ -122,16 +122,6 @@ def _scale_plane(a: np.ndarray, t: int) -> np.ndarray:
     return np.ascontiguousarray(_tile(a, t).transpose(0, 2, 1))
 
 
-class _Rows:
-    """An in-memory [rows, bytes] array behind the same read(start, stop) as a GGUF tensor on disk."""
-
-    def __init__(self, a: np.ndarray):
-        self.a = a
-
-    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return self.a[start:stop]
-
-
 def _planes(kind: str, blocks: np.ndarray, hb: int) -> dict[str, np.ndarray]:
     """Blocks of some rows [rows, nblk, bytes] -> their kernel planes, tiles first (rows padded to 16)."""
     f = _decode(kind, blocks)
@@ -179,13 +169,15 @@ class QuantWeight:
         _, hb, block = FORMATS[kind]
         if k % block or k % 32:
             raise ValueError(f"{kind} weight with k={k} not a multiple of {block}")
-        if rows is not None or isinstance(data, np.ndarray):
-            whole = np.asarray(data if isinstance(data, np.ndarray) else data.read(), dtype=np.uint8)
-            data = _Rows(whole if rows is None else whole[rows])
+        read = getattr(data, "read", None)
+        if rows is not None or read is None:
+            whole = np.asarray(data if read is None else read(), dtype=np.uint8)
+            whole = whole if rows is None else whole[rows]
+            read = lambda start, stop: whole[start:stop]
         t, block_bytes = -(-n // LANES), GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
         planes: dict[str, np.ndarray] = {}
         for r0 in range(0, n, CHUNK_ROWS):  # row chunks: the decoded codes never exist for the whole tensor
-            part = data.read(r0, min(n, r0 + CHUNK_ROWS)).reshape(-1, k // block, block_bytes)
+            part = read(r0, min(n, r0 + CHUNK_ROWS)).reshape(-1, k // block, block_bytes)
             for name, a in _planes(kind, part, hb).items():
                 if name not in planes:
                     planes[name] = np.empty((t, *a.shape[1:]), a.dtype)
