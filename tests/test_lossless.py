@@ -126,3 +126,12 @@ def test_torch_fallback_flips_are_counted(smollm_fp32, spec_bench):
         assert rounds > 0  # speculation ran on this path too
     finally:
         accelerate(model, "auto")
+
+
+def test_fp32_kernel_path_lossless(smollm_fp32, spec_bench):
+    """`--weights fp32` on the kernel path (lean layers, activation-sparse drafts): `swift` is `ar` token for
+    token."""
+    model, tok = smollm_fp32
+    gen = Generator(model, tok, method="swift")
+    mismatches, rounds = compare(model, gen, pick_prompts(spec_bench, 1, ["writing", "summarization", "qa"]), 48)
+    assert not mismatches and rounds > 0, mismatches
