@@ -7,7 +7,8 @@ from importlib import import_module
 from swiftdecode.errors import UserError
 
 __version__ = "0.1.0"
-METHODS = ("swift", "swift-paper", "uniform", "ar")  # decoding methods of the engine (see engine.preset)
+# decoding methods of the engine (see engine.preset); "ngram" and "skip-only" are ablations of "swift"
+METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
 __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", "METHODS"]
 
 

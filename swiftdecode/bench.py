@@ -31,15 +31,17 @@ METHODS = {
     "swift": "our engine, best configuration",
     "swift-paper": "our engine in SWIFT's published configuration",
     "uniform": "static every-other-layer skip draft, no search",
+    "ngram": "ablation: our engine, n-gram branch only (no layer-skip draft)",
+    "skip-only": "ablation: our engine, layer-skip draft only (no n-gram branch)",
     "pld": "HF prompt lookup decoding (10 tokens)",
     "early-exit": "HF assisted generation, early exit at L/2",
     "draft-model": "HF assisted generation with --draft-model",
     "llama.cpp": "llama.cpp plain decoding on the same GGUF (peer; needs its binaries)",
     "llama.cpp-lookup": "llama.cpp n-gram lookup speculation on the same GGUF (peer; needs its binaries)",
 }
-ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform")
+ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform", "ngram", "skip-only")
 PEER_METHODS = ("llama.cpp", "llama.cpp-lookup")
-DEFAULT_METHODS = "hf,ar,swift,swift-paper,uniform,pld,early-exit"
+DEFAULT_METHODS = "hf,ar,swift,ngram,skip-only,swift-paper,uniform,pld,early-exit"
 
 
 @dataclass
@@ -53,6 +55,9 @@ class Outcome:
     acceptance_rate: float | None = None
     optimize_s: float | None = None
     peak_rss_mb: float | None = None
+    round_kinds: dict[str, int] | None = None  # our engine only: see GenerationStats
+    round_seconds: dict[str, float] | None = None
+    accepted_by_source: dict[str, int] | None = None
 
 
 Runner = Callable[[list[int], int], Outcome]  # (prompt ids, seed) -> outcome
@@ -141,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=2))
     else:
         print(overall_table(results))
+        print()
+        print(sources_table(results))
         print(f"\nwrote {out}/results.json, results.md, speedup_by_category.png, prompt_stream.png")
     return 0
 
@@ -257,10 +264,11 @@ def engine_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
         res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed)
         wall = time.perf_counter() - t0
         st = res.stats.to_dict()
-        rounds = st["draft_rounds"] or None  # ar: no draft rounds, no acceptance
+        rounds = st["tree_rounds"] or None  # ar: no tree rounds, no acceptance
         acc = (st["mean_accepted_tokens"], st["acceptance_rate"]) if rounds else (None, None)
         opt = st["time_split"]["optimize"]
-        return Outcome(cut_at_eos(list(res.token_ids), eos), wall, rounds, *acc, opt, peak_rss_mb())
+        sources = {k: st[k] for k in ("round_kinds", "round_seconds", "accepted_by_source")}
+        return Outcome(cut_at_eos(list(res.token_ids), eos), wall, rounds, *acc, opt, peak_rss_mb(), **sources)
 
     return call
 
@@ -426,6 +434,9 @@ def record(index: int, p: Prompt, method: str, prompt_tokens: int, o: Outcome) -
         "acceptance_rate": o.acceptance_rate,
         "optimize_share": share,
         "peak_rss_mb": o.peak_rss_mb,
+        "round_kinds": o.round_kinds,
+        "round_seconds": o.round_seconds,
+        "accepted_by_source": o.accepted_by_source,
         "token_ids": o.token_ids,
     }
 
@@ -540,11 +551,18 @@ def aggregate(records: list[dict], method: str, keep: Callable[[dict], bool], re
         "optimize_share": mean([r["optimize_share"] for r in mine]),
         "peak_rss_mb": max((r["peak_rss_mb"] for r in mine if r["peak_rss_mb"] is not None), default=None),
         "new_tokens": sum(r["new_tokens"] for r in mine),
+        **{k: total([r[k] for r in mine]) for k in ("round_kinds", "round_seconds", "accepted_by_source")},
         "lossless": all(r["identical"] for r in mine) if reference else None,
         "mismatches": sum(not r["identical"] for r in mine) if reference else None,
         "agreement": mean([r["agreement"] for r in mine]) if reference else None,
         "n": len(mine),
     }
+
+
+def total(counts: list[dict | None]) -> dict | None:
+    """Key-wise sum of the dicts given (None entries skipped); None if there are none."""
+    present = [c for c in counts if c is not None]
+    return {k: sum(c[k] for c in present) for k in present[0]} if present else None
 
 
 def env_info(fast_path: dict) -> dict:
@@ -606,6 +624,23 @@ def overall_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def sources_table(results: dict) -> str:
+    """Per engine method: rounds of each kind (and their share of round time), accepted tokens by drafter."""
+    rows = [
+        "| method | draft rounds | ngram rounds | plain rounds | accepted from skip | from ngram | from both |",
+        "|" + "---|" * 7,
+    ]
+    for m, res in results["methods"].items():
+        o = res["overall"]
+        if o.get("round_kinds") is None:
+            continue
+        kinds, secs, acc = o["round_kinds"], o["round_seconds"], o["accepted_by_source"]
+        spent = sum(secs.values()) or 1.0
+        cells = [f"{kinds[k]} ({secs[k] / spent:.0%} of time)" for k in ("draft", "ngram", "plain")]
+        rows.append(f"| {m} | " + " | ".join(cells + [str(acc[k]) for k in ("skip", "ngram", "both")]) + " |")
+    return "\n".join(rows)
+
+
 def category_table(results: dict, key: str, spec: str = ".2f") -> str:
     methods = list(results["methods"])
     cats = list(next(iter(results["methods"].values()))["by_category"])
@@ -638,6 +673,13 @@ def markdown(results: dict) -> str:
         "## Overall",
         "",
         overall_table(results),
+        "",
+        "## Rounds and accepted draft tokens by source (our engine)",
+        "",
+        "Rounds: `draft` = layer-skip draft + n-gram branch, `ngram` = n-gram branch only, `plain` = one token. "
+        "Accepted draft tokens by the drafter that proposed them (`both`: both proposed it). Sums over prompts.",
+        "",
+        sources_table(results),
     ]
     present = [k for k in ("hf", "ar") if k in results["methods"]]
     for title, key, spec in [

@@ -11,7 +11,7 @@ import torch
 from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, probabilities
 from swiftdecode.skip import SkipSet
-from swiftdecode.tree import Tree
+from swiftdecode.tree import NGRAM, SKIP, Tree
 
 # SWIFT's mapping from the draft's top-1 probability to the number of candidates at a depth:
 # the more confident the draft, the fewer siblings it needs.
@@ -73,9 +73,9 @@ def draft(
         kept = [t for v, t in layer if v >= cutoff]
         if not kept:
             break
-        chain = tree.add(kept[0], parent)
+        chain = tree.add(kept[0], parent, SKIP)
         for t in kept[1:]:
-            tree.add(t, parent)
+            tree.add(t, parent, SKIP)
         parent = chain
     return steps
 
@@ -126,4 +126,4 @@ def add_chain(tree: Tree, tokens: list[int], max_nodes: int) -> None:
     for t in tokens:
         if len(tree.tokens) >= max_nodes and all(tree.tokens[i] != t for i in tree.children(parent)):
             return
-        parent = tree.add(t, parent)  # merges with an existing child
+        parent = tree.add(t, parent, NGRAM)  # merges with an existing child

@@ -20,10 +20,13 @@ from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, SamplingParams
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
-from swiftdecode.tree import Tree
+from swiftdecode.tree import SOURCE_NAMES, Tree
 from swiftdecode.verification import verify
 
-MODES = ("ngram", "draft", "plain")  # kinds of decoding round, see Generator._choose_mode
+# Kinds of decoding round (see Generator._choose_mode), in the order they are first tried: "ngram" = the n-gram
+# branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
+# one token, as plain decoding.
+MODES = ("ngram", "draft", "plain")
 
 
 @dataclass
@@ -31,7 +34,6 @@ class GenerationStats:
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_s: float = 0.0
-    draft_rounds: int = 0
     draft_steps: int = 0
     drafted_depth: int = 0
     accepted_draft_tokens: int = 0
@@ -39,8 +41,17 @@ class GenerationStats:
     time_split: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
     )
+    round_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))  # rounds of each kind
+    round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))  # ... their time
+    # accepted draft tokens by the drafter that proposed them ("both": the skip draft and the n-gram branch)
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
     skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
     search: str = "off"
+
+    @property
+    def tree_rounds(self) -> int:
+        """Rounds that verified a draft tree ("draft" and "ngram" rounds)."""
+        return self.round_kinds["draft"] + self.round_kinds["ngram"]
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,8 +59,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens emitted per draft round, bonus token included."""
-        return self.round_tokens / self.draft_rounds if self.draft_rounds else 1.0
+        """Tokens emitted per tree round, bonus token included."""
+        return self.round_tokens / self.tree_rounds if self.tree_rounds else 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -59,6 +70,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(
+            tree_rounds=self.tree_rounds,
             tokens_per_s=self.tokens_per_s,
             mean_accepted_tokens=self.mean_accepted_tokens,
             acceptance_rate=self.acceptance_rate,
@@ -93,6 +105,12 @@ class EngineConfig:
     draft_vocab: int = 0  # score drafts over this many likely tokens only (0 = the whole vocabulary)
     sparsity: int = 0  # initial activation-sparsity level of the draft's MLPs (fastpath.SPARSITY_LEVELS)
     adaptive: bool = True  # choose each round's kind by measured speed; False: always draft with the skip model
+    modes: tuple[str, ...] = MODES  # round kinds the engine may use (ablations leave out a drafter)
+
+
+# SWIFT's released defaults (hemingkx/SWIFT): up to 1000 optimisation steps, stop after 300 without improvement,
+# one step per decoding step (opt_interval=1) for as long as the optimisation phase lasts.
+PAPER_SEARCH = {"max_evals": 1000, "patience": 300, "max_overhead": math.inf}
 
 
 def preset(method: str) -> EngineConfig:
@@ -100,8 +118,13 @@ def preset(method: str) -> EngineConfig:
     if method == "swift":
         compact = DraftConfig(epsilon=0.5, max_nodes=8, topk=COMPACT_TOPK, sampling_topk=COMPACT_TOPK, ngram=8)
         return EngineConfig(draft=compact, draft_vocab=16384, init_ratio=0.1, sparsity=3)
-    if method == "swift-paper":
-        paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, patience=10**9)
+    if method == "ngram":  # ablation: swift's tree rounds without the layer-skip draft
+        return replace(preset("swift"), search=None, draft_vocab=0, sparsity=0, modes=("ngram", "plain"))
+    if method == "skip-only":  # ablation: swift without the n-gram branch
+        swift = preset("swift")
+        return replace(swift, draft=replace(swift.draft, ngram=0), modes=("draft", "plain"))
+    if method == "swift-paper":  # SWIFT's optimisation phase: a search step every round, no overhead cap
+        paper = SearchConfig(fixed_ratio=0.45, restart_drop=0.0, **PAPER_SEARCH)
         return EngineConfig(DraftConfig(max_nodes=64), paper, init="uniform", init_ratio=0.45, adaptive=False)
     if method == "uniform":
         return EngineConfig(search=None, init="uniform", init_ratio=0.5, adaptive=False)
@@ -130,7 +153,7 @@ class Generator:
         if self.cfg is not None:  # draft settings for greedy (True) and sampling (False), built once
             d = self.cfg.draft
             self.draft_cfg = {True: d, False: replace(d, topk=d.sampling_topk)}
-        if self.cfg is not None and self.cfg.init == "uniform":
+        if self.cfg is not None and self.cfg.init == "uniform" and "draft" in self.cfg.modes:
             self._start_search(SkipSet.uniform(self.sm.n_layers, self.cfg.init_ratio))
 
     # ---- public API -------------------------------------------------------------------------------------
@@ -214,13 +237,15 @@ class Generator:
 
     def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
         """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
-        mode = "plain" if self.skip is None or room <= 1 else self._choose_mode()
+        mode = "plain" if self.cfg is None or room <= 1 else self._choose_mode()
         t0 = time.perf_counter()
         out = self._plain(ctx, sampler) if mode == "plain" else self._tree_round(ctx, room, sampler, stats, mode)
         t1 = time.perf_counter()
         if mode == "plain":
             stats.time_split["verify"] += t1 - t0
-        if self.skip is None:
+        stats.round_kinds[mode] += 1
+        stats.round_seconds[mode] += t1 - t0
+        if self.cfg is None:
             return out
         self.decode_s = 0.995 * self.decode_s + (t1 - t0)  # decayed: idle time builds up no search burst
         self.search_s *= 0.995
@@ -271,18 +296,19 @@ class Generator:
         t2 = time.perf_counter()
         stats.time_split["draft"] += t1 - t0
         stats.time_split["verify"] += t2 - t1
-        stats.draft_rounds += 1
         stats.draft_steps += steps
         stats.drafted_depth += max(tree.depths, default=0)
         stats.accepted_draft_tokens += len(path)
         stats.round_tokens += len(path) + 1
+        for i in path:
+            stats.accepted_by_source[SOURCE_NAMES[tree.sources[i]]] += 1
         if steps:
             self.step_s = _ema(self.step_s, (t1 - t0) / steps)
         return [tree.tokens[i] for i in path] + [bonus]
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         """Full forward of the prompt; picks the initial skip set on first use. Returns the last logits [V]."""
-        if self.cfg is None:
+        if self.cfg is None or "draft" not in self.cfg.modes:
             return self.sm.logits(self.sm.prefill(ids)[-1:])[0]
         sparse, start = self._sparse(), None
         with fastpath.calibrate() if sparse else nullcontext():  # sparsity thresholds follow this prompt
@@ -304,20 +330,21 @@ class Generator:
         return self.cfg.sparsity > 0 and fastpath.sparse_capable(self.sm.model)
 
     def _choose_mode(self) -> str:
-        """How this round drafts: "draft" (skip model + n-gram branch), "ngram" (the free n-gram branch only) or
-        "plain" (no draft: a one-token step, as plain decoding). Whichever has yielded the most tokens per second
-        lately, measured; every 8th round tries another one in turn. Non-adaptive configs always draft."""
+        """How this round drafts, among the config's `modes` (see MODES; "draft" once a skip set exists):
+        whichever has yielded the most tokens per second lately, measured; every EXPLORE_EVERY-th round tries
+        another one in turn. Non-adaptive configs always draft."""
         if not self.cfg.adaptive:
             return "draft"
         self.rounds += 1
-        untried = [m for m in MODES if self.rate[m] is None]
+        modes = [m for m in self.cfg.modes if m != "draft" or self.skip is not None]
+        untried = [m for m in modes if self.rate[m] is None]
         if untried:
             return untried[0]
-        best = max(MODES, key=lambda m: self.rate[m])
-        if self.rounds % 8:
+        best = max(modes, key=lambda m: self.rate[m])
+        if self.rounds % EXPLORE_EVERY or len(modes) == 1:
             return best
-        others = [m for m in MODES if m != best]
-        return others[(self.rounds // 8) % len(others)]
+        others = [m for m in modes if m != best]
+        return others[(self.rounds // EXPLORE_EVERY) % len(others)]
 
     def _observe_rate(self, mode: str, tokens: int, seconds: float) -> None:
         self.rate[mode] = _ema(self.rate[mode], tokens / seconds, 0.9)
@@ -434,6 +461,7 @@ def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:
     return ids[:n]
 
 
+EXPLORE_EVERY = 8  # rate estimates of the round kinds not in use go stale; re-measure one every 8th round
 FIRST_STEP_TOKENS = 3.0  # a search step (1-2 forwards of a 32-token window), guessed in per-token decoding time
 
 

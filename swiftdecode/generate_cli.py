@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 def record(res) -> dict:
     """The JSON line of one generation (contract used by other tools)."""
     s = res.stats.to_dict()
-    keys = ("new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate", "draft_rounds")
+    keys = ("new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate", "tree_rounds")
     return {
         "text": res.text,
         "token_ids": res.token_ids,
@@ -84,6 +84,9 @@ def record(res) -> dict:
         **{k: s[k] for k in keys},
         "skip": s["skip"],
         "time_split": s["time_split"],
+        "round_kinds": s["round_kinds"],
+        "round_seconds": s["round_seconds"],
+        "accepted_by_source": s["accepted_by_source"],
         "search": s["search"],
     }
 
@@ -92,6 +95,12 @@ def stats_line(s: dict) -> str:
     skipped = len(s["skip"]["attn"]) + len(s["skip"]["mlp"])
     return (
         f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, {s['mean_accepted_tokens']:.2f} tokens/round, "
-        f"acceptance {s['acceptance_rate']:.0%}, {skipped} sublayers skipped, MLP sparsity level "
+        f"acceptance {s['acceptance_rate']:.0%}, rounds {_counts(s['round_kinds'])}, accepted from "
+        f"{_counts(s['accepted_by_source'])}, {skipped} sublayers skipped, MLP sparsity level "
         f"{s['skip'].get('sparsity', 0)}, search {s['search']}]"
     )
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """{"draft": 3, "plain": 1} -> "draft 3/plain 1"."""
+    return "/".join(f"{k} {n}" for k, n in counts.items())

@@ -187,9 +187,12 @@ class Metrics:
     new_tokens: int = 0  # every token streamed, cancelled requests included
     done_tokens: int = 0  # tokens of completed requests (tokens/s numerator)
     gen_seconds: float = 0.0
-    draft_rounds: int = 0
-    accepted: float = 0.0  # sum over requests of mean_accepted_tokens * draft_rounds
-    accept_rate: float = 0.0  # sum over requests of acceptance_rate * draft_rounds
+    tree_rounds: int = 0
+    accepted: float = 0.0  # sum over requests of mean_accepted_tokens * tree_rounds
+    accept_rate: float = 0.0  # sum over requests of acceptance_rate * tree_rounds
+    round_kinds: dict[str, int] = field(default_factory=dict)  # rounds by kind (draft, ngram, plain)
+    round_seconds: dict[str, float] = field(default_factory=dict)  # ... their seconds
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by drafter
     last: dict = field(default_factory=dict)  # stats.to_dict() of the last completed request
 
     def count(self, key: str) -> None:
@@ -197,12 +200,17 @@ class Metrics:
             self.finished[key] = self.finished.get(key, 0) + 1
 
     def record(self, prompt_tokens: int, stats: dict) -> None:
-        rounds = stats.get("draft_rounds") or 0
+        rounds = stats.get("tree_rounds") or 0
         with self.lock:
+            for total, key in ((self.round_kinds, "round_kinds"), (self.round_seconds, "round_seconds")):
+                for k, v in stats[key].items():
+                    total[k] = total.get(k, 0) + v
+            for k, v in stats["accepted_by_source"].items():
+                self.accepted_by_source[k] = self.accepted_by_source.get(k, 0) + v
             self.prompt_tokens += prompt_tokens
             self.done_tokens += stats["new_tokens"]
             self.gen_seconds += stats["wall_s"]
-            self.draft_rounds += rounds
+            self.tree_rounds += rounds
             self.accepted += (stats.get("mean_accepted_tokens") or 0.0) * rounds
             self.accept_rate += (stats.get("acceptance_rate") or 0.0) * rounds
             self.last = stats
@@ -221,7 +229,7 @@ class Metrics:
             lines.extend(f"swiftdecode_{name}{labels} {value:g}" for labels, value in samples)
 
         with self.lock:
-            rounds, last = self.draft_rounds, self.last
+            rounds, last = self.tree_rounds, self.last
             skip = last.get("skip", {})
             metric(
                 "info",
@@ -261,7 +269,24 @@ class Metrics:
             )
             tps = self.done_tokens / self.gen_seconds if self.gen_seconds else 0.0
             metric("tokens_per_second", "gauge", "Tokens per second over completed generations.", [("", tps)])
-            metric("draft_rounds_total", "counter", "Draft-verify rounds.", [("", rounds)])
+            metric(
+                "rounds_total",
+                "counter",
+                "Decoding rounds of completed requests by kind (draft, ngram, plain).",
+                [(f'{{kind="{k}"}}', n) for k, n in sorted(self.round_kinds.items())],
+            )
+            metric(
+                "round_seconds_total",
+                "counter",
+                "Seconds spent in decoding rounds of each kind.",
+                [(f'{{kind="{k}"}}', v) for k, v in sorted(self.round_seconds.items())],
+            )
+            metric(
+                "accepted_tokens_total",
+                "counter",
+                "Accepted draft tokens by the drafter that proposed them (skip, ngram, both).",
+                [(f'{{source="{k}"}}', n) for k, n in sorted(self.accepted_by_source.items())],
+            )
             metric(
                 "mean_accepted_tokens",
                 "gauge",

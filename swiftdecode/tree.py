@@ -6,31 +6,39 @@ from dataclasses import dataclass, field
 
 import torch
 
+SKIP, NGRAM = 1, 2  # drafter bits of Tree.sources: the layer-skipped model, n-gram copying from the context
+SOURCE_NAMES = {SKIP: "skip", NGRAM: "ngram", SKIP | NGRAM: "both"}
+
 
 @dataclass
 class Tree:
     """Draft tokens below a root (the last accepted token, not yet in the cache).
 
-    Node i has token `tokens[i]`, parent `parents[i]` (−1 = root) and depth `depths[i]` ≥ 1; parents precede
-    children. `children(−1)` lists the root's children in candidate order (best first).
+    Node i has token `tokens[i]`, parent `parents[i]` (−1 = root), depth `depths[i]` ≥ 1 and `sources[i]`, the
+    bitwise OR of the drafters that proposed it (SKIP, NGRAM); parents precede children. `children(−1)` lists
+    the root's children in candidate order (best first).
     """
 
     root: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int) -> int:
-        """Append a child of `parent` unless that token is already one; return the node index."""
+    def add(self, token: int, parent: int, source: int) -> int:
+        """Append a child of `parent` proposed by drafter `source` unless that token is already one (then mark
+        it proposed by `source` too); return the node index."""
         for i in self.children(parent):
             if self.tokens[i] == token:
+                self.sources[i] |= source
                 return i
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.sources.append(source)
         return len(self.tokens) - 1
 
     def children(self, node: int) -> list[int]:

@@ -20,7 +20,7 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3
     for rec in lines:
-        assert KEYS | {"draft_rounds", "skip", "time_split"} <= rec.keys()
+        assert KEYS | {"tree_rounds", "skip", "time_split", "round_kinds", "accepted_by_source"} <= rec.keys()
         assert 0 < rec["new_tokens"] == len(rec["token_ids"]) <= 12
         assert set(rec["skip"]) == {"attn", "mlp", "sparsity"}
         assert rec["skip"]["sparsity"] in range(len(SPARSITY_LEVELS))

@@ -16,24 +16,25 @@ from swiftdecode.engine import EngineConfig
 from swiftdecode.sampling import Sampler, SamplingParams, probabilities
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
-from swiftdecode.tree import Tree, attention_mask
+from swiftdecode.tree import NGRAM, SKIP, Tree, attention_mask
 from swiftdecode.verification import verify
 
 
 def small_tree() -> Tree:
     """root → a(5) → d(7); root → b(6); a → e(8)."""
     t = Tree(root=1)
-    a = t.add(5, -1)
-    t.add(6, -1)
-    t.add(7, a)
-    t.add(8, a)
-    t.add(5, -1)  # duplicate child: not added again
+    a = t.add(5, -1, SKIP)
+    t.add(6, -1, SKIP)
+    t.add(7, a, SKIP)
+    t.add(8, a, SKIP)
+    assert t.add(5, -1, NGRAM) == a  # duplicate child: not added again, marked proposed by both
     return t
 
 
 def test_tree_structure_positions_and_ancestry():
     t = small_tree()
     assert t.tokens == [5, 6, 7, 8] and t.parents == [-1, -1, 0, 0] and t.depths == [1, 1, 2, 2]
+    assert t.sources == [SKIP | NGRAM, SKIP, SKIP, SKIP]
     assert t.input_ids() == [1, 5, 6, 7, 8]
     assert t.positions(10).tolist() == [10, 11, 11, 12, 12]
     expected = torch.tensor(
@@ -299,3 +300,24 @@ def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
         split = res.stats.time_split
         assert split["optimize"] <= 1.05 * gen.search.cfg.max_overhead * (split["draft"] + split["verify"])
     assert steps  # the search did run
+
+
+@pytest.mark.parametrize("method", ["swift", "ngram", "skip-only", "ar"])
+def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
+    """Every round is counted under its kind and every accepted draft token under the drafter(s) that proposed it;
+    an ablation never runs the drafter it leaves out."""
+    gen = Generator(*smollm, method=method)
+    prompt = "Repeat this line three times: the quick brown fox jumps over the lazy dog."
+    res = gen.generate(prompt, max_new_tokens=64, chat=True)
+    s, kinds, acc = res.stats, res.stats.round_kinds, res.stats.accepted_by_source
+    assert sum(acc.values()) == s.accepted_draft_tokens and s.tree_rounds == kinds["draft"] + kinds["ngram"]
+    assert s.round_seconds["plain"] <= s.time_split["verify"] and all(v >= 0 for v in s.round_seconds.values())
+    if method == "ar":
+        # one token from the prefill, one per round; an EOS ends the last round uncounted
+        assert kinds["draft"] == kinds["ngram"] == 0 and kinds["plain"] == s.new_tokens - (res.finish_reason != "stop")
+    if method == "ngram":
+        assert kinds["draft"] == acc["skip"] == acc["both"] == 0 and acc["ngram"] > 0
+    if method == "skip-only":
+        assert kinds["ngram"] == acc["ngram"] == acc["both"] == 0 and acc["skip"] > 0
+    if method == "swift":
+        assert kinds["draft"] > 0 and acc["skip"] + acc["both"] > 0

@@ -236,6 +236,11 @@ def test_concurrent_streams_complete_or_429(url, gen):
     assert [text for _, text, _ in retried] == [gen.generate(p, max_new_tokens=6).text for p in prompts]
     m = metrics(url)
     assert m["swiftdecode_queue_depth"] == 0 and m["swiftdecode_requests_running"] == 0
+    rounds = sum(v for k, v in m.items() if k.startswith("swiftdecode_rounds_total{"))
+    assert rounds > 0  # some answers end at once with EOS (no round); the others took rounds
+    assert all(
+        k in m for k in ('swiftdecode_accepted_tokens_total{source="skip"}', 'swiftdecode_rounds_total{kind="plain"}')
+    )
 
 
 class Controlled:
