@@ -80,6 +80,10 @@ class SwiftCache(Cache):
             layer.truncate(length)
 
     def keep(self, start: int, index: torch.Tensor) -> None:
-        """Compact the entries after `start` to those at start+index (the accepted path of a verified tree)."""
+        """Compact the entries after `start` to those at start+index (the accepted path of a verified tree,
+        ascending). A path that is already in place (index 0..n−1: a chain, or the root alone) only truncates."""
+        if int(index[-1]) == len(index) - 1:
+            self.truncate(start + len(index))
+            return
         for layer in self.layers:
             layer.keep(start, index)

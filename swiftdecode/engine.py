@@ -8,7 +8,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -17,82 +17,12 @@ from swiftdecode import METHODS, fastpath
 from swiftdecode.drafting import COMPACT_TOPK, DraftConfig, add_chain, draft, ngram_continuation
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
+from swiftdecode.request import MODES, GenerationResult, GenerationStats, Request, StreamEvent
 from swiftdecode.sampling import Sampler, SamplingParams
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import SOURCE_NAMES, Tree
 from swiftdecode.verification import verify
-
-# Kinds of decoding round (see Generator._choose_mode), in the order they are first tried: "ngram" = the n-gram
-# branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
-# one token, as plain decoding.
-MODES = ("ngram", "draft", "plain")
-
-
-@dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    wall_s: float = 0.0
-    draft_steps: int = 0
-    drafted_depth: int = 0
-    accepted_draft_tokens: int = 0
-    round_tokens: int = 0
-    time_split: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
-    )
-    round_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))  # rounds of each kind
-    round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))  # ... their time
-    # accepted draft tokens by the drafter that proposed them ("both": the skip draft and the n-gram branch)
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
-    skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
-    search: str = "off"
-
-    @property
-    def tree_rounds(self) -> int:
-        """Rounds that verified a draft tree ("draft" and "ngram" rounds)."""
-        return self.round_kinds["draft"] + self.round_kinds["ngram"]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        """Tokens emitted per tree round, bonus token included."""
-        return self.round_tokens / self.tree_rounds if self.tree_rounds else 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens per drafted tree depth (the most a round could accept)."""
-        return self.accepted_draft_tokens / self.drafted_depth if self.drafted_depth else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            tree_rounds=self.tree_rounds,
-            tokens_per_s=self.tokens_per_s,
-            mean_accepted_tokens=self.mean_accepted_tokens,
-            acceptance_rate=self.acceptance_rate,
-            optimize_share=self.time_split["optimize"] / self.wall_s if self.wall_s > 0 else 0.0,
-        )
-        return d
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stats: GenerationStats
-
-
-@dataclass
-class StreamEvent:
-    text: str
-    token_ids: list[int]
-    result: GenerationResult | None = None
 
 
 @dataclass(frozen=True)
@@ -184,56 +114,54 @@ class Generator:
         chat: bool = False,
     ) -> Iterator[StreamEvent]:
         """Validate, then return an iterator of text pieces; the last event carries the GenerationResult."""
+        req = self.request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+        return self._run(req)
+
+    def request(
+        self, prompt, max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, chat=False
+    ) -> Request:
+        """A validated request, not started (UserError on bad input); see `stream` for the parameters."""
         params = check_params(max_new_tokens, temperature, top_p, top_k, stop)
         ids = self._encode(prompt, chat)
         limit = self.sm.max_length - len(ids)
         if limit <= 0:
             raise UserError(f"prompt has {len(ids)} tokens; the model's context is {self.sm.max_length} tokens")
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63))
-        return self._run(ids, min(max_new_tokens, limit), sampler, stop or [])
+        budget = min(max_new_tokens, limit)
+        return Request(ids, budget, sampler, stop or [], self.eos, self._decode, self.sm.n_layers)
 
     # ---- decoding loop ----------------------------------------------------------------------------------
-    def _run(self, ids, budget, sampler: Sampler, stop) -> Iterator[StreamEvent]:
-        stats = GenerationStats(prompt_tokens=len(ids), search=self.search.state if self.search else "off")
-        start = time.perf_counter()
-        self.sm.reset()
-        self._set_draft_vocab(ids)
-        t = time.perf_counter()
-        first = sampler.pick(self._prefill(ids), len(ids))
-        stats.time_split["prefill"] = time.perf_counter() - t
-        ctx, new, emitted, finish = list(ids), [], "", "length"
-        pending = [first]
+    def _run(self, req: Request) -> Iterator[StreamEvent]:
+        event = self.begin(req)
         while True:
-            for tok in pending:
-                if tok in self.eos:
-                    finish = "stop"
-                    break
-                new.append(tok)
-                ctx.append(tok)
-                if len(new) >= budget:
-                    break
-            text = self._decode(new)
-            cut = _find_stop(text, stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                new = _tokens_for(self._decode, new, cut)
-            done = finish == "stop" or len(new) >= budget
-            if done:
-                stats.new_tokens, stats.wall_s = len(new), time.perf_counter() - start
-                if self.skip is not None:
-                    stats.skip, stats.search = (
-                        self.skip.to_dict(),
-                        self.search.state if self.search else "off",
-                    )
-                self.token_counts.index_add_(0, torch.tensor(new, dtype=torch.long), torch.ones(len(new)))
-                result = GenerationResult(text, list(new), len(ids), finish, stats)
-                yield StreamEvent(text[len(emitted) :], [], result)
+            if event is not None:
+                yield event
+            if req.done:
                 return
-            safe = text[: len(text) - _stop_overlap(text, stop)]  # may be the start of a stop string
-            if safe.startswith(emitted) and len(safe) > len(emitted) and not safe.endswith("\ufffd"):
-                yield StreamEvent(safe[len(emitted) :], pending)
-                emitted = safe
-            pending = self._round(ctx, budget - len(new), sampler, stats)
+            event = self.step(req)
+
+    def step(self, req: Request) -> StreamEvent | None:
+        """One decoding round of a started request."""
+        self.sm.cache = req.cache
+        return self.advance(req, self._round(req.ctx, req.room, req.sampler, req.stats))
+
+    def begin(self, req: Request) -> StreamEvent | None:
+        """Prefill the request's prompt into its cache and take the first token."""
+        self.sm.cache = req.cache
+        self._set_draft_vocab(req.ids)
+        t = time.perf_counter()
+        first = req.sampler.pick(self._prefill(req.ids), len(req.ids))
+        req.stats.time_split["prefill"] = time.perf_counter() - t
+        return self.advance(req, [first])
+
+    def advance(self, req: Request, tokens: list[int]) -> StreamEvent | None:
+        """Give the request a round's tokens; on completion, record its stats and what it generated."""
+        event = req.take(tokens)
+        if req.done:
+            if self.skip is not None:
+                req.stats.skip, req.stats.search = self.skip.to_dict(), self.search.state if self.search else "off"
+            self.token_counts.index_add_(0, torch.tensor(req.new, dtype=torch.long), torch.ones(len(req.new)))
+        return event
 
     def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
         """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
@@ -441,24 +369,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     ids = set(ids if isinstance(ids, list) else [ids])
     ids.add(tokenizer.eos_token_id)
     return {int(i) for i in ids if i is not None}
-
-
-def _find_stop(text: str, stop: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_overlap(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
-    return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), default=0)
-
-
-def _tokens_for(decode, ids: list[int], chars: int) -> list[int]:
-    """Shortest prefix of ids whose text reaches past `chars` characters (the stop string's first character)."""
-    n = 1
-    while n < len(ids) and len(decode(ids[:n])) <= chars:
-        n += 1
-    return ids[:n]
 
 
 EXPLORE_EVERY = 8  # rate estimates of the round kinds not in use go stale; re-measure one every 8th round

@@ -72,6 +72,10 @@ class Kernel:
             ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
         ]  # fmt: skip
         self._attn.restype = None
+        self._attn_many = getattr(self._lib, f"sd_attention_many_{isa}")
+        self._attn_many.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p]
+        self._attn_many.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self._attn_many.restype = None
         self._norm = getattr(self._lib, f"sd_rmsnorm_{isa}")
         self._norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
         self._norm.restype = None
@@ -106,6 +110,29 @@ class Kernel:
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             v.data_ptr(), v.stride(0), v.stride(1), *mask_args, out.data_ptr(),
             h, hkv, m, t, d, scale, scratch.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def attention_many(
+        self, q: torch.Tensor, ks: list, vs: list, masks: list, sizes: list[int], scale: float
+    ) -> torch.Tensor:
+        """Attention of several sequences in one call: q [R, H, D] contiguous, sequence j owning the next
+        sizes[j] rows, over its own keys/values ks[j]/vs[j] [Hkv, T_j, D] (key stride D, equal head strides)
+        under masks[j] [sizes[j], ≥ T_j] additive -> [R, H, D], each sequence's rows exactly as `attention`."""
+        (_, h, d), hkv, n = q.shape, ks[0].shape[0], len(ks)
+        dims, row = [], 0
+        for k, v, mask, m in zip(ks, vs, masks, sizes, strict=True):
+            if k.stride(1) != d or v.stride(1) != d or v.stride(0) != k.stride(0):
+                raise ValueError("keys and values need key stride D and equal head strides")
+            dims += [m, k.shape[1], k.stride(0), mask.stride(0), row]
+            row += m
+        out = torch.empty_like(q)
+        threads, max_t = torch.get_num_threads(), max(k.shape[1] for k in ks)
+        scratch = torch.empty(threads * (ATTN_HEADS + 1) * max_t, dtype=torch.float32)
+        ptrs = lambda ts: (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
+        self._attn_many(
+            q.data_ptr(), ptrs(ks), ptrs(vs), ptrs(masks), (ctypes.c_int64 * len(dims))(*dims), out.data_ptr(),
+            n, h, hkv, d, scale, scratch.data_ptr(), max_t, threads,
         )  # fmt: skip
         return out
 

@@ -60,13 +60,12 @@ class SwiftModel:
         if self.layer_types:
             sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
             mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
-        kernel = fastpath.FastLinear.kernel
-        on_kernel = getattr(self.model.config, "_attn_implementation", None) == "swiftdecode" and kernel is not None
-        if self.lean is not None and on_kernel and not self.layer_types:
+        kernel = self._lean_kernel()
+        if kernel is not None:
             ids_t = torch.tensor(ids, device=self.device)
             with fastpath.sparse_draft(skip.sparsity if skip else 0):
                 return self.lean.forward(
-                    ids_t, positions, mask[0, 0], self.cache, skip or SkipSet(), kernel, self.observer
+                    ids_t, positions, [mask[0, 0]], [self.cache], skip or SkipSet(), kernel, self.observer
                 )
         with self.skipper.use(skip), fastpath.sparse_draft(skip.sparsity if skip else 0):
             out = self.decoder(
@@ -77,6 +76,33 @@ class SwiftModel:
                 use_cache=True,
             )
         return out.last_hidden_state[0]
+
+    def _lean_kernel(self):
+        """The fp32 kernel library when this model runs the lean forward (Llama anatomy, fast path on), else None."""
+        kernel = fastpath.FastLinear.kernel
+        on_kernel = getattr(self.model.config, "_attn_implementation", None) == "swiftdecode" and kernel is not None
+        return kernel if self.lean is not None and on_kernel and not self.layer_types else None
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, parts: list[tuple[list[int], torch.Tensor, torch.Tensor, SwiftCache]]
+    ) -> list[torch.Tensor]:
+        """Full-model forwards of several sequences, part j = (ids, positions [q_j], new_allowed [q_j, q_j], cache)
+        appended after its own cache (all of it visible). On the lean kernel path one pass over the weights serves
+        all rows; elsewhere the parts run one after another. Either way part j's hidden states [q_j, H] are
+        bit-identical to its own `forward`. Leaves `self.cache` unspecified."""
+        kernel = self._lean_kernel()
+        if kernel is None or len(parts) == 1:
+            out = []
+            for ids, positions, allowed, cache in parts:
+                self.cache = cache
+                out.append(self.forward(ids, positions, allowed))
+            return out
+        masks = [attention_mask(p, c.length, c.length, a, self.dtype)[0, 0] for _, p, a, c in parts]
+        ids = torch.tensor([t for part in parts for t in part[0]], device=self.device)
+        positions = torch.cat([part[1] for part in parts])
+        hidden = self.lean.forward(ids, positions, masks, [part[3] for part in parts], SkipSet(), kernel)
+        return list(hidden.split([len(part[0]) for part in parts]))
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Causal forward of `ids` after the cache; returns hidden states [len(ids), H]."""

@@ -318,13 +318,14 @@ class Metrics:
                 [(f'{{state="{last["search"]}"}}', 1)] if "search" in last else [],
             )
         metric("queue_depth", "gauge", "Requests waiting in the queue.", [("", queued)])
-        metric("requests_running", "gauge", "Requests being generated (0 or 1).", [("", running)])
+        metric("requests_running", "gauge", "Requests being generated (decoding together).", [("", running)])
         return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- the single generation worker
+# ---------------------------------------------------------------- the batching generation worker
 
 END = object()  # last item of every job's event queue
+DEFAULT_MAX_BATCH = 8  # requests decoding together; see README (Serving) for the measured throughput curve
 
 
 @dataclass(eq=False)
@@ -337,6 +338,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    streamed: int = 0  # tokens sent so far
 
     def emit(self, item: object) -> None:
         """Thread-safe put into `events` (no-op once the event loop is gone)."""
@@ -347,13 +349,19 @@ class Job:
 
 
 class Worker:
-    """FIFO of at most `max_queue` waiting jobs, served one at a time by a daemon thread."""
+    """One daemon thread decoding up to `max_batch` jobs together (`Batch`: one forward per round for all of
+    them), admitted in arrival order; at most `max_queue` more wait, beyond that 429. A cancelled job (client
+    gone) leaves the batch before the next round."""
 
-    def __init__(self, gen: "Generator", max_queue: int, metrics: Metrics):
-        self.gen, self.max_queue, self.metrics = gen, max_queue, metrics
+    def __init__(self, gen: "Generator", max_queue: int, metrics: Metrics, max_batch: int = DEFAULT_MAX_BATCH):
+        from swiftdecode.batch import Batch
+
+        self.gen, self.max_queue, self.metrics, self.max_batch = gen, max_queue, metrics, max_batch
+        self.batch = Batch(gen)
         self.pending: deque[Job] = deque()
+        self.running: dict[object, Job] = {}  # Request -> its job
+        self.starting = 0  # jobs taken from the queue, being validated and prefilled
         self.cond = threading.Condition()
-        self.current: Job | None = None  # the job being generated
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="swiftdecode-worker", daemon=True)
         self.thread.start()
@@ -362,11 +370,13 @@ class Worker:
         with self.cond:
             if self.closed:
                 raise ApiError(503, "server shutting down")
-            if len(self.pending) >= self.max_queue:
-                wait = max(1, round(self.metrics.mean_seconds() * (len(self.pending) + 1)))
+            free = max(self.max_batch - len(self.running) - self.starting, 0)
+            if len(self.pending) >= self.max_queue + free:
+                waiting = len(self.pending) - free + 1
+                wait = max(1, round(self.metrics.mean_seconds() * waiting / self.max_batch))
                 raise ApiError(
                     429,
-                    f"server busy: {len(self.pending)} requests queued, retry later",
+                    f"server busy: {len(self.running)} requests running, {len(self.pending)} queued, retry later",
                     None,
                     "queue_full",
                     {"Retry-After": str(wait)},
@@ -375,22 +385,23 @@ class Worker:
             self.cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Drop a waiting job, or stop a running one at its next token."""
+        """Drop a waiting job, or take a running one out of the batch before its next round."""
         job.cancelled.set()
         with self.cond:
             if job in self.pending:
                 self.pending.remove(job)
                 self.metrics.count("cancelled")
+            self.cond.notify()
 
     def depth(self) -> tuple[int, int]:
         with self.cond:
-            return len(self.pending), int(self.current is not None)
+            return len(self.pending), len(self.running) + self.starting
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            if self.current is not None:
-                self.current.cancelled.set()
+            for job in self.running.values():
+                job.cancelled.set()
             for job in self.pending:
                 job.cancelled.set()
                 job.emit(ApiError(503, "server shutting down"))
@@ -402,47 +413,86 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.pending and not self.closed:
+                while not self.pending and not self.running and not self.closed:
                     self.cond.wait()
                 if self.closed:
-                    return
-                job = self.current = self.pending.popleft()
-            try:
-                self._serve(job)
-            finally:
+                    break
+                admit = []
+                while self.pending and len(self.running) + len(admit) < self.max_batch:
+                    admit.append(self.pending.popleft())
+                self.starting = len(admit)
+            for job in admit:
+                self._start(job)
                 with self.cond:
-                    self.current = None
-                job.emit(END)
+                    self.starting -= 1
+            self._drop_cancelled()
+            if self.batch.active:
+                self._round()
+        for req in list(self.running):
+            self._finish(req, "cancelled")
 
-    def _serve(self, job: Job) -> None:
-        """Run one generation, forwarding engine events to the job; errors become ApiError items."""
+    def _start(self, job: Job) -> None:
+        """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError)."""
         if job.cancelled.is_set():
+            job.emit(END)
+            self.metrics.count("cancelled")
             return
-        streamed, outcome = 0, "cancelled"
         try:
             prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: worker thread only
-            stream = self.gen.stream(prompt, **job.params)  # validates (UserError) before any work
-            try:
-                for ev in stream:
-                    streamed += len(ev.token_ids)
-                    job.emit(ev)
-                    if ev.result is not None:
-                        streamed, outcome = len(ev.result.token_ids), ev.result.finish_reason
-                        self.metrics.record(ev.result.prompt_tokens, ev.result.stats.to_dict())
-                    if job.cancelled.is_set():
-                        break
-            finally:
-                stream.close()
+            req = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
+            with self.cond:
+                self.running[req] = job
+            self._deliver(req, self.batch.add(req))
         except UserError as e:
-            outcome = "error"
-            job.emit(ApiError(e.status, str(e)))
+            self._fail([job], ApiError(e.status, str(e)))
         except Exception as e:  # never let one request take the server down
-            outcome = "error"
             log.exception("generation failed")
-            job.emit(ApiError(500, f"internal error during generation: {type(e).__name__}"))
+            self._fail([job], ApiError(500, f"internal error during generation: {type(e).__name__}"))
+
+    def _round(self) -> None:
+        try:
+            for req, event in self.batch.step():
+                self._deliver(req, event)
+        except Exception as e:  # the batch's requests fail; the server and later requests carry on
+            log.exception("generation failed")
+            jobs = [self.running[r] for r in self.batch.active if r in self.running]
+            for req in list(self.batch.active):
+                self.batch.remove(req)
+            self._fail(jobs, ApiError(500, f"internal error during generation: {type(e).__name__}"))
+
+    def _deliver(self, req, event) -> None:
+        job = self.running[req]
+        if event is not None:
+            job.streamed += len(event.token_ids)
+            job.emit(event)
+            if event.result is not None:
+                job.streamed = len(event.result.token_ids)
+                self.metrics.record(event.result.prompt_tokens, event.result.stats.to_dict())
+        if req.done:
+            self._finish(req, req.finish)
+
+    def _drop_cancelled(self) -> None:
+        for req, job in list(self.running.items()):
+            if job.cancelled.is_set():
+                self.batch.remove(req)
+                self._finish(req, "cancelled")
+
+    def _finish(self, req, outcome: str) -> None:
+        with self.cond:
+            job = self.running.pop(req)
         with self.metrics.lock:
-            self.metrics.new_tokens += streamed
+            self.metrics.new_tokens += job.streamed
         self.metrics.count(outcome)
+        job.emit(END)
+
+    def _fail(self, jobs: list[Job], error: ApiError) -> None:
+        with self.cond:
+            for req in [r for r, j in self.running.items() if j in jobs]:
+                del self.running[req]
+        for job in jobs:
+            job.emit(error)
+            job.emit(END)
+            self.metrics.count("error")
 
 
 # ---------------------------------------------------------------- HTTP layer
@@ -472,7 +522,14 @@ async def next_event(job: Job, request: "Request", poll_s: float = 0.25) -> obje
                 raise Disconnected from None
 
 
-def create_app(gen: "Generator", model_id: str, *, max_queue: int = 64, api_key: str | None = None) -> "FastAPI":
+def create_app(
+    gen: "Generator",
+    model_id: str,
+    *,
+    max_queue: int = 64,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    api_key: str | None = None,
+) -> "FastAPI":
     """The FastAPI app serving `gen` as model `model_id`; the worker thread stops on app shutdown."""
     from contextlib import asynccontextmanager
 
@@ -487,7 +544,7 @@ def create_app(gen: "Generator", model_id: str, *, max_queue: int = 64, api_key:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal worker
-        worker = Worker(gen, max_queue, metrics)
+        worker = Worker(gen, max_queue, metrics, max_batch)
         yield
         await asyncio.to_thread(worker.close)
 
@@ -681,6 +738,12 @@ def add_arguments(parser: "argparse.ArgumentParser") -> None:
     parser.add_argument("--fast-path", default="auto", help="CPU matmul path: auto (default), torch, ...")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests decoded together, one forward per round (default: {DEFAULT_MAX_BATCH})",
+    )
     parser.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; beyond -> 429")
     parser.add_argument(
         "--api-key",
@@ -711,12 +774,14 @@ def run(args: "argparse.Namespace") -> int:
 
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     sock = listen(args.host, args.port)
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
     gen = Generator(model, tokenizer, method=args.method)
-    app = create_app(gen, args.model, max_queue=args.max_queue, api_key=args.api_key)
+    app = create_app(gen, args.model, max_queue=args.max_queue, max_batch=args.max_batch, api_key=args.api_key)
     print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACE_S)
     uvicorn.Server(config).run(sockets=[sock])

@@ -244,7 +244,8 @@ def test_concurrent_streams_complete_or_429(url, gen):
 
 
 class Controlled:
-    """A Generator wrapper whose stream waits for `gate`, and fails on demand (to test the queue and errors)."""
+    """A Generator wrapper whose requests wait for `gate` when they start, and fail on demand (to test the queue and
+    errors)."""
 
     def __init__(self, gen):
         self.gen, self.gate, self.entered = gen, threading.Event(), threading.Event()
@@ -252,19 +253,19 @@ class Controlled:
     def __getattr__(self, name):
         return getattr(self.gen, name)
 
-    def stream(self, prompt, **kw):
+    def request(self, prompt, **kw):
         self.entered.set()
         assert self.gate.wait(60)
         if prompt == "raise UserError":
             raise UserError("rejected by the engine", status=422)
         if prompt == "raise RuntimeError":
             raise RuntimeError("boom")
-        yield from self.gen.stream(prompt, **kw)
+        return self.gen.request(prompt, **kw)
 
 
 def test_queue_full_disconnect_and_engine_errors(gen):
     wrapped = Controlled(gen)
-    with serving(create_app(wrapped, MODEL, max_queue=1)) as url, ThreadPoolExecutor(2) as pool:
+    with serving(create_app(wrapped, MODEL, max_queue=1, max_batch=1)) as url, ThreadPoolExecutor(2) as pool:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
         running = pool.submit(post, url, "/v1/completions", body, None)
         assert wrapped.entered.wait(30)

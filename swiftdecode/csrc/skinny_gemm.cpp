@@ -10,6 +10,7 @@
 // Compiled once per ISA: -DSD_AVX512 (-mavx512f -mfma) or AVX2 (-mavx2 -mfma). Plain C ABI, loaded with
 // ctypes; OpenMP resolves to the libgomp torch has already loaded, so threads are shared with torch.
 #include <immintrin.h>
+#include <vector>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -416,36 +417,67 @@ static void attend_row(const float* const* qr, const float* kh, int64_t k_st, co
 // q[h, m, :] at q + h*q_sh + m*q_sm; k/v[g, t, :] at k + g*k_sh + t*k_st (g = h / (H / Hkv));
 // mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
 // out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
+// One attention work item: query row m of heads h0.. (up to HB sharing key/value head g) against its visible keys.
+static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
+                               const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
+                               float* out, int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale,
+                               float* s, int64_t g, int64_t sb, int64_t m) {
+  const int64_t group = H / Hkv;
+  int32_t* vis = (int32_t*)(s + HB * T);
+  const float* mr = mask ? mask + m * mask_sm : nullptr;
+  int64_t nv = 0;
+  for (int64_t t = 0, tend = mask ? T : T - M + m + 1; t < tend; ++t)
+    if (!mr || mr[t] > -1e30f) vis[nv++] = (int32_t)t;
+  const int64_t h0 = g * group + sb * HB, hn = group - sb * HB < HB ? group - sb * HB : HB;
+  const float* qr[HB];
+  float* orow[HB];
+  for (int64_t h = 0; h < hn; ++h) {
+    qr[h] = q + (h0 + h) * q_sh + m * q_sm;
+    orow[h] = out + (m * H + h0 + h) * D;
+  }
+  const float *kh = k + g * k_sh, *vh = v + g * v_sh;
+  switch (hn) {
+    case 4: attend_row<4>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    case 3: attend_row<3>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    case 2: attend_row<2>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    default: attend_row<1>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+  }
+}
+
 extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
                         const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm, float* out,
                         int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale, float* scratch,
                         int nthreads) {
-  const int64_t group = H / Hkv, subs = (group + HB - 1) / HB;
+  const int64_t subs = (H / Hkv + HB - 1) / HB;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(3)
   for (int64_t g = 0; g < Hkv; ++g)
     for (int64_t sb = 0; sb < subs; ++sb)
-      for (int64_t m = 0; m < M; ++m) {
-        float* s = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T;
-        int32_t* vis = (int32_t*)(s + HB * T);
-        const float* mr = mask ? mask + m * mask_sm : nullptr;
-        int64_t nv = 0;
-        for (int64_t t = 0, tend = mask ? T : T - M + m + 1; t < tend; ++t)
-          if (!mr || mr[t] > -1e30f) vis[nv++] = (int32_t)t;
-        const int64_t h0 = g * group + sb * HB, hn = group - sb * HB < HB ? group - sb * HB : HB;
-        const float* qr[HB];
-        float* orow[HB];
-        for (int64_t h = 0; h < hn; ++h) {
-          qr[h] = q + (h0 + h) * q_sh + m * q_sm;
-          orow[h] = out + (m * H + h0 + h) * D;
-        }
-        const float *kh = k + g * k_sh, *vh = v + g * v_sh;
-        switch (hn) {
-          case 4: attend_row<4>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-          case 3: attend_row<3>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-          case 2: attend_row<2>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-          default: attend_row<1>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-        }
-      }
+      for (int64_t m = 0; m < M; ++m)
+        attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale,
+                    scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T, g, sb, m);
+}
+
+// Attention of several sequences in one parallel pass (continuous batching). Queries q [R, H, D] and output
+// out [R, H, D] hold the sequences' rows one after another: sequence i owns rows dims[5i+4] .. + M_i (M_i =
+// dims[5i]), attends to its own keys/values ks[i]/vs[i] [Hkv, *, D] (head stride dims[5i+2], key stride D,
+// T_i = dims[5i+1] keys) under its additive mask masks[i] [M_i, T_i] (row stride dims[5i+3]). Every item is
+// computed exactly as sd_attention computes it for that sequence alone.
+extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const float* const* ks, const float* const* vs,
+                                                   const float* const* masks, const int64_t* dims, float* out,
+                                                   int64_t nseq, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                                   float* scratch, int64_t max_t, int nthreads) {
+  const int64_t subs = (H / Hkv + HB - 1) / HB;
+  std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
+  for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t it = 0; it < first[nseq]; ++it) {
+    int64_t i = 0;
+    while (it >= first[i + 1]) ++i;
+    const int64_t* di = dims + 5 * i;
+    const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
+    attend_item(q + di[4] * H * D, D, H * D, ks[i], di[2], D, vs[i], di[2], D, masks[i], di[3], out + di[4] * H * D,
+                H, Hkv, M, di[1], D, scale, scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t, g, sb, m);
+  }
 }
 
 // RMSNorm of M rows: y = w * (x * 1/sqrt(mean(x^2) + eps)). Row-local with a fixed summation order (8 scalar

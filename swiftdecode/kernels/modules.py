@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swiftdecode.kernels.qgemm import QKernel
+from swiftdecode.kernels.qgemm import Plan, QKernel
 from swiftdecode.kernels.qweight import QuantWeight
 
 
@@ -20,9 +20,10 @@ class QuantLinear(nn.Module):
         self.qweight, self.kernel = qweight, kernel
         self.in_features, self.out_features = qweight.k, qweight.n
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self.plan = Plan([qweight], [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear(x, self.qweight, self.bias)
+        return self.kernel.run(self.plan, x)[0]
 
     def extra_repr(self) -> str:
         q = self.qweight

@@ -44,6 +44,21 @@ def _desc(w: QuantWeight) -> _Desc:
     return desc
 
 
+class Plan:
+    """The ctypes arguments of one `linear_many` call over fixed weights and biases, built once; it keeps them
+    alive, so the pointers it holds stay valid."""
+
+    def __init__(self, ws: list[QuantWeight], biases: list[torch.Tensor | None]):
+        if not 1 <= len(ws) <= MAX_WEIGHTS or len({w.k for w in ws}) != 1 or len(biases) != len(ws):
+            raise ValueError(f"1..{MAX_WEIGHTS} weights of one input size expected, with one bias entry each")
+        self.ws, self.bias_tensors = list(ws), list(biases)
+        self.k, self.ns = ws[0].k, [w.n for w in ws]
+        n = len(ws)
+        self.descs = (ctypes.c_void_p * n)(*(ctypes.addressof(_desc(w)) for w in ws))
+        self.biases = (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases))
+        self.outs = (ctypes.c_void_p * n)()  # filled per call
+
+
 class QKernel:
     """The qgemm library of one ISA."""
 
@@ -66,17 +81,17 @@ class QKernel:
     ) -> list[torch.Tensor]:
         """[x W_i^T + b_i] for weights of the same K in one call (x quantized once, one parallel pass): each
         output is bit-for-bit what `linear` returns for that weight alone."""
-        if not 1 <= len(ws) <= MAX_WEIGHTS or len({w.k for w in ws}) != 1:
-            raise ValueError(f"1..{MAX_WEIGHTS} weights of one input size expected")
-        x2 = x.reshape(-1, ws[0].k)
+        return self.run(Plan(ws, biases), x)
+
+    def run(self, plan: Plan, x: torch.Tensor) -> list[torch.Tensor]:
+        """`linear_many` of a prepared plan (what a layer calls every step: no per-call argument marshalling)."""
+        x2 = x.reshape(-1, plan.k)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        ys = [torch.empty((*x.shape[:-1], w.n), dtype=torch.float32) for w in ws]
-        n = len(ws)
-        descs = (ctypes.c_void_p * n)(*(ctypes.addressof(_desc(w)) for w in ws))
-        bs = (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases))
-        outs = (ctypes.c_void_p * n)(*(y.data_ptr() for y in ys))
-        self._linear(descs, bs, outs, n, x2.data_ptr(), x2.shape[0], torch.get_num_threads())
+        ys = [torch.empty((*x.shape[:-1], n), dtype=torch.float32) for n in plan.ns]
+        for i, y in enumerate(ys):
+            plan.outs[i] = y.data_ptr()
+        self._linear(plan.descs, plan.biases, plan.outs, len(ys), x2.data_ptr(), x2.shape[0], torch.get_num_threads())
         return ys
 
     def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -110,10 +110,6 @@ static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi subi(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm256_slli_epi32(a, n); }
-// u <= 63 here (8-bit codes are split into nibbles by the caller), so maddubs' pair sums cannot saturate.
-static inline vi dot(vi acc, vi u, vi x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-}
 static inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf fzero() { return _mm256_setzero_ps(); }
 static inline vf fset(float v) { return _mm256_set1_ps(v); }
@@ -184,16 +180,44 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
 
 // Integer dot products of one input row's 32-block with the unpacked codes: s[0] over values 0..15, s[1] over
 // 16..31 (only Q6_K needs them apart; otherwise s[0] holds the whole block).
+#if defined(SD_AVX512)
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
   vi p[4] = {izero(), izero(), izero(), izero()};  // four short dependency chains instead of one long one
   for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot(p[(g & 1) + 2 * (g >> 2)], u[g], bcast4(xq + 4 * g));
-#if !defined(SD_AVX512)
-  if (Fmt<F>::hb == 4) {
-    vi c[2] = {izero(), izero()};
-    for (int g = 0; g < 8; g++) c[g & 1] = dot(c[g & 1], uh[g], bcast4(xq + 4 * g));
-    p[0] = addi(p[0], slli32(addi(c[0], c[1]), 4));
+  (void)uh;
+#else
+// AVX2 has no u8 x s8 -> s32 dot: maddubs gives s16 pair sums, which are added in s16 over a chunk of C groups
+// before one widening madd. |pair sum| <= 2 * 127 * max code, so a chunk of C stays below 2^15 when
+// C * 254 * max code < 32768: C = 8 for 4-bit codes, 4 for 5-bit, 2 for 6-bit. The sums are exact integers,
+// so the result is the same as widening every product (and as the AVX-512 build).
+template <int G, int C>
+__attribute__((always_inline)) static inline __m256i chunk16(const vi u[8], const int8_t* xq) {
+  if constexpr (C == 1) {
+    return _mm256_maddubs_epi16(u[G], bcast4(xq + 4 * G));
+  } else {
+    return _mm256_add_epi16(chunk16<G, C / 2>(u, xq), chunk16<G + C / 2, C / 2>(u, xq));
   }
+}
+template <int G, int C>
+__attribute__((always_inline)) static inline vi chunk32(const vi u[8], const int8_t* xq) {
+  return _mm256_madd_epi16(chunk16<G, C>(u, xq), _mm256_set1_epi16(1));
+}
+template <int F>
+__attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
+  constexpr int C = Fmt<F>::hb == 1 ? 4 : Fmt<F>::hb == 2 ? 2 : 8;  // hb = 4: u and uh are nibbles
+  vi p[4];
+  if constexpr (C == 8) {
+    p[0] = chunk32<0, 8>(u, xq);
+    p[1] = p[2] = p[3] = izero();
+  } else if constexpr (C == 4) {
+    p[0] = chunk32<0, 4>(u, xq), p[2] = chunk32<4, 4>(u, xq);
+    p[1] = p[3] = izero();
+  } else {
+    p[0] = chunk32<0, 2>(u, xq), p[1] = chunk32<2, 2>(u, xq);
+    p[2] = chunk32<4, 2>(u, xq), p[3] = chunk32<6, 2>(u, xq);
+  }
+  if (Fmt<F>::hb == 4) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
 #endif
   if (Fmt<F>::sub16) {
     s[0] = addi(p[0], p[1]);

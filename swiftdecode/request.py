@@ -1,0 +1,155 @@
+"""One generation's state and its output rules: tokens are taken until EOS, the token budget or a stop string;
+text is streamed in pieces that never end inside a possible stop string or a multi-byte character."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from swiftdecode.cache import SwiftCache
+from swiftdecode.sampling import Sampler
+from swiftdecode.tree import SOURCE_NAMES
+
+# Kinds of decoding round (see Generator._choose_mode), in the order they are first tried: "ngram" = the n-gram
+# branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
+# one token, as plain decoding.
+MODES = ("ngram", "draft", "plain")
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    wall_s: float = 0.0
+    draft_steps: int = 0
+    drafted_depth: int = 0
+    accepted_draft_tokens: int = 0
+    round_tokens: int = 0
+    time_split: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
+    )
+    round_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))  # rounds of each kind
+    round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))  # ... their time
+    # accepted draft tokens by the drafter that proposed them ("both": the skip draft and the n-gram branch)
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
+    skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
+    search: str = "off"
+    batched_rounds: int = 0  # rounds decoded together with other requests (server batching)
+
+    @property
+    def tree_rounds(self) -> int:
+        """Rounds that verified a draft tree ("draft" and "ngram" rounds)."""
+        return self.round_kinds["draft"] + self.round_kinds["ngram"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per tree round, bonus token included."""
+        return self.round_tokens / self.tree_rounds if self.tree_rounds else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per drafted tree depth (the most a round could accept)."""
+        return self.accepted_draft_tokens / self.drafted_depth if self.drafted_depth else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            tree_rounds=self.tree_rounds,
+            tokens_per_s=self.tokens_per_s,
+            mean_accepted_tokens=self.mean_accepted_tokens,
+            acceptance_rate=self.acceptance_rate,
+            optimize_share=self.time_split["optimize"] / self.wall_s if self.wall_s > 0 else 0.0,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats
+
+
+@dataclass
+class StreamEvent:
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
+class Request:
+    """A generation in progress: prompt ids, sampler, stop rules, its own KV cache and stats.
+
+    `ctx` is the prompt plus the tokens taken so far; its last token is not yet in the cache.
+    """
+
+    def __init__(self, ids: list[int], budget: int, sampler: Sampler, stop: list[str], eos: set[int], decode, layers):
+        self.ids, self.budget, self.sampler, self.stop, self.eos, self.decode = ids, budget, sampler, stop, eos, decode
+        self.cache = SwiftCache(layers)
+        self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
+        self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.start = time.perf_counter()
+
+    @property
+    def room(self) -> int:
+        """Tokens this request may still take."""
+        return self.budget - len(self.new)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def take(self, tokens: list[int]) -> StreamEvent | None:
+        """Take a round's tokens (up to EOS, the budget or a stop string); returns the text to stream, if any.
+        Once done, the event carries the GenerationResult (stats.skip/search are the caller's to fill in)."""
+        taken = []
+        for tok in tokens:
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+            self.new.append(tok)
+            self.ctx.append(tok)
+            taken.append(tok)
+            if len(self.new) >= self.budget:
+                break
+        text = self.decode(self.new)
+        cut = find_stop(text, self.stop)
+        if cut is not None:
+            text, self.finish = text[:cut], "stop"
+            self.new = tokens_for(self.decode, self.new, cut)
+        if self.finish is None and len(self.new) >= self.budget:
+            self.finish = "length"
+        if self.done:
+            self.stats.new_tokens, self.stats.wall_s = len(self.new), time.perf_counter() - self.start
+            result = GenerationResult(text, list(self.new), len(self.ids), self.finish, self.stats)
+            return StreamEvent(text[len(self.emitted) :], [], result)
+        safe = text[: len(text) - stop_overlap(text, self.stop)]  # may be the start of a stop string
+        if safe.startswith(self.emitted) and len(safe) > len(self.emitted) and not safe.endswith("\ufffd"):
+            event = StreamEvent(safe[len(self.emitted) :], tokens)
+            self.emitted = safe
+            return event
+        return None
+
+
+def find_stop(text: str, stop: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def stop_overlap(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
+    return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), default=0)
+
+
+def tokens_for(decode, ids: list[int], chars: int) -> list[int]:
+    """Shortest prefix of ids whose text reaches past `chars` characters (the stop string's first character)."""
+    n = 1
+    while n < len(ids) and len(decode(ids[:n])) <= chars:
+        n += 1
+    return ids[:n]
