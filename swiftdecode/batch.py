@@ -4,8 +4,10 @@ through the full model in one forward over all their rows, each request attendin
 A request alone runs the engine's own rounds (skip-model drafts, search). With company, each proposes its
 n-gram continuation (or only its last token) and the batch shares one pass over the weights: on a CPU a
 forward of 8 rows costs well under twice a forward of one, so decoding requests together multiplies
-throughput. Every row's result depends only on its own sequence (batch-invariant kernels, per-request
-attention), and acceptance is `verify`'s, so each request's output is exactly what it would be alone.
+throughput. A joining prompt is prefilled in chunks inside those rounds, so the others keep decoding. Every
+row's result depends only on its own sequence (batch-invariant kernels, per-request attention; a chunked
+prefill writes the same cache entries as a whole one), and acceptance is `verify`'s, so each request's
+output is exactly what it would be alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from swiftdecode.verification import verify
 # Rows of one batched forward, roots included, before n-gram nodes are given out: beyond ~16 rows the quantized
 # kernel is compute-bound and more rows cost about proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
+# Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
+# their tokens keep flowing while a long prompt (thousands of tokens) is read.
+PREFILL_CHUNK = 256
 
 
 class Batch:
@@ -30,23 +35,41 @@ class Batch:
 
     def __init__(self, gen: Generator):
         self.gen = gen
-        self.active: list[Request] = []
+        self.active: list[Request] = []  # decoding
+        self.joining: list[Request] = []  # prompts being prefilled in chunks, in arrival order
+        self.prefilled: dict[Request, int] = {}  # prompt tokens of each joining request already in its cache
+        self.rows = 0  # rows of the last batched forward (0 when the last round ran alone)
+
+    def __len__(self) -> int:
+        return len(self.active) + len(self.joining)
 
     def add(self, req: Request) -> StreamEvent | None:
-        """Prefill a new request (its own forward) and take its first token; it joins the next round."""
-        event = self.gen.begin(req)
-        if not req.done:
-            self.active.append(req)
-        return event
+        """A new request: prefilled now if nothing else runs (or the engine must see its whole prefill), else in
+        chunks over the next rounds. Returns its first event if it has one yet."""
+        if not len(self) or not self.gen.plain_prefill():
+            event = self.gen.begin(req)
+            if not req.done:
+                self.active.append(req)
+            return event
+        self.gen.note_prompt(req.ids)
+        self.joining.append(req)
+        self.prefilled[req] = 0
+        return None
 
     def remove(self, req: Request) -> None:
         if req in self.active:
             self.active.remove(req)
+        if req in self.joining:
+            self.joining.remove(req)
+            del self.prefilled[req]
 
     def step(self) -> list[tuple[Request, StreamEvent | None]]:
-        """One round for every active request; finished requests leave the batch."""
-        if len(self.active) == 1:
-            req = self.active[0]
+        """One round for every active request (and a prompt chunk of the first joining one); requests that
+        finish leave the batch."""
+        if not len(self):
+            return []
+        if len(self.active) == 1 and not self.joining:
+            req, self.rows = self.active[0], 0
             out = [(req, self.gen.step(req))]
         else:
             out = self._batched_round()
@@ -54,27 +77,49 @@ class Batch:
         return out
 
     def _batched_round(self) -> list[tuple[Request, StreamEvent | None]]:
-        gen, sm, reqs = self.gen, self.gen.sm, self.active
+        gen, sm, reqs = self.gen, self.gen.sm, list(self.active)
         speculate = gen.cfg is not None and "ngram" in gen.cfg.modes
-        nodes = max(BATCH_ROWS - len(reqs), 0) // len(reqs) if speculate else 0
+        nodes = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
         trees, parts = [], []
         for req in reqs:
             tree = Tree(req.ctx[-1])
             add_chain(tree, ngram_continuation(req.ctx, min(nodes, req.room - 1)), nodes)
             trees.append(tree)
             parts.append((tree.input_ids(), tree.positions(req.cache.length), tree.ancestry(), req.cache))
-        t0 = time.perf_counter()
+        joiner = self.joining[0] if self.joining else None
+        if joiner is not None:  # the whole rest of its prompt when nobody decodes, else one chunk
+            done = self.prefilled[joiner]
+            end = len(joiner.ids) if not reqs else min(done + PREFILL_CHUNK, len(joiner.ids))
+            causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
+            parts.append((joiner.ids[done:end], torch.arange(done, end), causal, joiner.cache))
         starts = [req.cache.length for req in reqs]
+        self.rows = sum(len(part[0]) for part in parts)
+        t0 = time.perf_counter()
         hidden = sm.forward_batch(parts)
-        logits = sm.logits(torch.cat(hidden)).split([len(h) for h in hidden])
-        seconds = (time.perf_counter() - t0) / len(reqs)  # the shared forward, split evenly
+        rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if joiner is not None and end == len(joiner.ids) else [])
+        logits = sm.logits(torch.cat(rows)).split([len(h) for h in rows]) if rows else []
+        seconds = (time.perf_counter() - t0) / len(parts)  # the shared forward, split evenly
         out = []
-        for req, tree, start, rows in zip(reqs, trees, starts, logits, strict=True):
-            path, bonus = verify(tree, rows, req.sampler, start)
+        for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
+            path, bonus = verify(tree, scores, req.sampler, start)
             req.cache.keep(start, torch.tensor([0] + [i + 1 for i in path]))
             _account(req, tree, path, seconds)
             out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus])))
+        if joiner is not None:
+            out += self._prefilled(joiner, end, seconds, logits[-1] if end == len(joiner.ids) else None)
         return out
+
+    def _prefilled(self, req: Request, end: int, seconds: float, logits) -> list[tuple[Request, StreamEvent | None]]:
+        """Record a prefilled chunk; after the last one the request takes its first token and starts decoding."""
+        req.stats.time_split["prefill"] += seconds
+        self.prefilled[req] = end
+        if logits is None:
+            return []
+        self.remove(req)
+        event = self.gen.advance(req, [req.sampler.pick(logits[0], len(req.ids))])
+        if not req.done:
+            self.active.append(req)
+        return [(req, event)]
 
 
 def _account(req: Request, tree: Tree, path: list[int], seconds: float) -> None:

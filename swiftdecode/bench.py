@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a busy machine)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="replay the prompts through our server with N clients at once, against one client (one engine method)",
+    )
+    parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch in --concurrency mode")
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
 
@@ -117,6 +124,10 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if args.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.concurrency < 0 or args.max_batch < 1:
+        raise UserError("--concurrency must be >= 0 and --max-batch >= 1")
+    if args.concurrency and (len(methods) != 1 or methods[0] not in ENGINE_METHODS):
+        raise UserError(f"--concurrency serves one engine method: --methods one of {', '.join(ENGINE_METHODS)}")
     categories = args.categories.split(",") if args.categories is not None else None
     prompts = load_prompts(args.data, categories, args.limit)
     out = Path(args.out)
@@ -134,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok, fast_path = load_target(args)
     chat = use_chat(tok, args.chat)
     ids = [encode(tok, p.text, chat) for p in prompts]
+    if args.concurrency:
+        return run_concurrency(model, tok, methods[0], ids, args, out)
     switch = PathSwitch(model, fast_path["path"], args)
     peers = peer_runners(methods, tok, eos_ids(model, tok), args)
     methods = [m for m in methods if m not in PEER_METHODS or m in peers]
@@ -149,6 +162,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(sources_table(results))
         print(f"\nwrote {out}/results.json, results.md, speedup_by_category.png, prompt_stream.png")
+    return 0
+
+
+def run_concurrency(model, tok, method: str, ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:
+    from swiftdecode import concurrency
+    from swiftdecode.engine import Generator
+
+    result = concurrency.run(Generator(model, tok, method=method), ids, args.max_new_tokens, args.concurrency,
+                             args.max_batch)  # fmt: skip
+    result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else concurrency.table(result))
     return 0
 
 

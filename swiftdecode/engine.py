@@ -154,6 +154,15 @@ class Generator:
         req.stats.time_split["prefill"] = time.perf_counter() - t
         return self.advance(req, [first])
 
+    def plain_prefill(self) -> bool:
+        """Whether a prompt's prefill is a plain forward, which may then run in chunks beside other requests: no
+        skip set to initialise from its collinearity, no sparsity thresholds to calibrate on it."""
+        return self.cfg is None or "draft" not in self.cfg.modes or (self.skip is not None and not self._sparse())
+
+    def note_prompt(self, ids: list[int]) -> None:
+        """A prompt whose prefill runs elsewhere (chunked batching): it still informs the draft vocabulary."""
+        self._set_draft_vocab(ids)
+
     def advance(self, req: Request, tokens: list[int]) -> StreamEvent | None:
         """Give the request a round's tokens; on completion, record its stats and what it generated."""
         event = req.take(tokens)

@@ -176,6 +176,30 @@ def parse_messages(body: dict) -> list[dict]:
 # ---------------------------------------------------------------- metrics
 
 
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds: interactive to long prompts
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram: cumulative counts per upper bound, sum and count."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))] += 1
+        self.total += value
+
+    def samples(self) -> list[tuple[str, float]]:
+        edges = [*(f"{b:g}" for b in self.buckets), "+Inf"]
+        cumulative = [sum(self.counts[: i + 1]) for i in range(len(self.counts))]
+        return [(f'_bucket{{le="{e}"}}', c) for e, c in zip(edges, cumulative, strict=True)] + [
+            ("_sum", self.total),
+            ("_count", sum(self.counts)),
+        ]
+
+
 @dataclass
 class Metrics:
     """Server-wide counters, updated by the worker thread and read by /metrics (guarded by `lock`)."""
@@ -194,6 +218,14 @@ class Metrics:
     round_seconds: dict[str, float] = field(default_factory=dict)  # ... their seconds
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by drafter
     last: dict = field(default_factory=dict)  # stats.to_dict() of the last completed request
+    queue_wait: Histogram = field(default_factory=Histogram)  # submission to start of prefill
+    first_token: Histogram = field(default_factory=Histogram)  # submission to first streamed text
+    batch_size: int = 0  # requests in the last round
+    forward_rows: int = 0  # rows of the last batched forward (0: the last round ran alone)
+
+    def observe(self, histogram: Histogram, value: float) -> None:
+        with self.lock:
+            histogram.observe(value)
 
     def count(self, key: str) -> None:
         with self.lock:
@@ -317,6 +349,19 @@ class Metrics:
                 "Layer-set search state (1 = current).",
                 [(f'{{state="{last["search"]}"}}', 1)] if "search" in last else [],
             )
+            metric("batch_size", "gauge", "Requests in the last decoding round.", [("", self.batch_size)])
+            metric(
+                "forward_rows",
+                "gauge",
+                "Rows of the last batched forward (0 = the last round ran alone).",
+                [("", self.forward_rows)],
+            )
+            for name, hist, what in (
+                ("queue_wait_seconds", self.queue_wait, "Time from submission to start of prefill."),
+                ("time_to_first_token_seconds", self.first_token, "Time from submission to the first text."),
+            ):
+                lines.extend([f"# HELP swiftdecode_{name} {what}", f"# TYPE swiftdecode_{name} histogram"])
+                lines.extend(f"swiftdecode_{name}{suffix} {value:g}" for suffix, value in hist.samples())
         metric("queue_depth", "gauge", "Requests waiting in the queue.", [("", queued)])
         metric("requests_running", "gauge", "Requests being generated (decoding together).", [("", running)])
         return "\n".join(lines) + "\n"
@@ -339,6 +384,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     streamed: int = 0  # tokens sent so far
+    submitted: float = field(default_factory=time.perf_counter)
+    answered: bool = False  # some text was streamed
 
     def emit(self, item: object) -> None:
         """Thread-safe put into `events` (no-op once the event loop is gone)."""
@@ -426,7 +473,7 @@ class Worker:
                 with self.cond:
                     self.starting -= 1
             self._drop_cancelled()
-            if self.batch.active:
+            if len(self.batch):
                 self._round()
         for req in list(self.running):
             self._finish(req, "cancelled")
@@ -437,6 +484,7 @@ class Worker:
             job.emit(END)
             self.metrics.count("cancelled")
             return
+        self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
         try:
             prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: worker thread only
             req = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
@@ -450,19 +498,26 @@ class Worker:
             self._fail([job], ApiError(500, f"internal error during generation: {type(e).__name__}"))
 
     def _round(self) -> None:
+        size = len(self.batch)
         try:
             for req, event in self.batch.step():
                 self._deliver(req, event)
+            with self.metrics.lock:
+                self.metrics.batch_size, self.metrics.forward_rows = size, self.batch.rows
         except Exception as e:  # the batch's requests fail; the server and later requests carry on
             log.exception("generation failed")
-            jobs = [self.running[r] for r in self.batch.active if r in self.running]
-            for req in list(self.batch.active):
+            reqs = self.batch.active + self.batch.joining
+            jobs = [self.running[r] for r in reqs if r in self.running]
+            for req in reqs:
                 self.batch.remove(req)
             self._fail(jobs, ApiError(500, f"internal error during generation: {type(e).__name__}"))
 
     def _deliver(self, req, event) -> None:
         job = self.running[req]
         if event is not None:
+            if event.text and not job.answered:
+                job.answered = True
+                self.metrics.observe(self.metrics.first_token, time.perf_counter() - job.submitted)
             job.streamed += len(event.token_ids)
             job.emit(event)
             if event.result is not None:

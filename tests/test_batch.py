@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from swiftdecode import Generator
-from swiftdecode.batch import Batch
+from swiftdecode.batch import PREFILL_CHUNK, Batch
 
 MIX = [  # (prompt, parameters): greedy, sampling, top-p/top-k, a stop string, different lengths
     ("Write a short story about a lighthouse keeper.", dict(max_new_tokens=48)),
@@ -15,28 +15,31 @@ MIX = [  # (prompt, parameters): greedy, sampling, top-p/top-k, a stop string, d
     ("Translate into French: good morning, my friend.", dict(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=7)),
     ("Count from 1 to 30, separated by commas.", dict(max_new_tokens=64, stop=["17"])),
     ("Name three planets.", dict(max_new_tokens=20, temperature=0.7, top_k=40, seed=11)),
-]
+    ("Summarize in one line: " + "The river rose after days of rain, and the village moved its boats uphill. " * 30,
+     dict(max_new_tokens=24)),  # a prompt of several prefill chunks
+]  # fmt: skip
 
 
 def run_batched(gen: Generator, joins: list[int], leave: int | None = None) -> list:
     """Start MIX[k] after joins[k] rounds of the batch so far; request `leave` is dropped after 3 rounds."""
+    assert len(gen.request(MIX[-1][0], chat=True).ids) > 2 * PREFILL_CHUNK
     batch, reqs = Batch(gen), []
     rounds = 0
 
     def step() -> None:
         nonlocal rounds
-        assert len(batch.active) <= len(MIX)
+        assert len(batch) <= len(MIX)
         batch.step()
         rounds += 1
         if leave is not None and rounds == 3:
             batch.remove(reqs[leave])
 
     for k, (prompt, kw) in enumerate(MIX):
-        while rounds < joins[k] and batch.active:
+        while rounds < joins[k] and len(batch):
             step()
         reqs.append(gen.request(prompt, chat=True, **kw))
         batch.add(reqs[-1])
-    while batch.active:
+    while len(batch):
         step()
     return reqs
 
@@ -46,13 +49,13 @@ def test_batched_requests_are_their_solo_runs(request, model_name):
     model, tok = request.getfixturevalue(model_name)
     gen = Generator(model, tok, method="swift")
     solo = [gen.generate(p, chat=True, **kw) for p, kw in MIX]
-    for joins in ([0] * len(MIX), [0, 1, 2, 5, 9, 14]):
+    for joins in ([0] * len(MIX), [0, 1, 2, 5, 9, 14, 15]):
         reqs = run_batched(gen, joins)
         for k, (req, ref) in enumerate(zip(reqs, solo, strict=True)):
             assert req.new == ref.token_ids, f"request {k} (joins {joins}) differs from its solo run"
             assert req.finish == ref.finish_reason
         assert sum(r.stats.batched_rounds for r in reqs) > 0  # they did decode together
-    leaver = run_batched(gen, [0, 0, 0, 1, 1, 2], leave=1)
+    leaver = run_batched(gen, [0, 0, 0, 1, 1, 2, 2], leave=1)
     assert leaver[1].finish is None and len(leaver[1].new) < len(solo[1].token_ids)  # it left early
     assert all(r.new == s.token_ids for k, (r, s) in enumerate(zip(leaver, solo, strict=True)) if k != 1)
 
@@ -66,6 +69,6 @@ def test_batching_off_the_lean_path_runs_parts_in_turn(gemma):
     reqs = [gen.request(p, max_new_tokens=n) for p, n in mix]
     for r in reqs:
         batch.add(r)
-    while batch.active:
+    while len(batch):
         batch.step()
     assert [r.new for r in reqs] == solo

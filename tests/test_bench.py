@@ -220,3 +220,21 @@ def test_warm_up_never_sees_a_timed_prompt():
     args = argparse.Namespace(warmup=2, seed=0)
     records = bench.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
     assert seen[:2] == [((9,), -1), ((8,), -2)] and [r["prompt_id"] for r in records] == ["1", "2"]
+
+
+def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
+    """--concurrency: the prompts through our server one client at a time, then all at once, answers compared."""
+    rows = [{"question_id": i, "category": "qa", "turns": [f"Name {i + 2} animals."]} for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    argv = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "swift", "--max-new-tokens", "16",
+            "--concurrency", "4", "--max-batch", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "concurrency.json").read_text())
+    assert result["concurrent"]["completed"] == result["one_client"]["completed"] == 4
+    assert result["identical_to_one_client"] == 4 and result["concurrent"]["rejected_429"] == 0
+    assert all(a["tokens"] > 0 and a["ttft_s"] <= a["wall_s"] for a in result["concurrent"]["answers"])
+    assert "Aggregate speedup" in capsys.readouterr().out
+    bad = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "ar,swift", "--concurrency", "2"]
+    assert main(bad) == 2

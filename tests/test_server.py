@@ -308,3 +308,29 @@ def test_queue_full_disconnect_and_engine_errors(gen):
         assert any(k.startswith("swiftdecode_search_state{") for k in m)
         assert 'swiftdecode_skip_layers{kind="attn"}' in m
         assert "swiftdecode_draft_sparsity_level" in m
+
+
+def test_concurrent_requests_decode_together_exactly_and_disconnects_free_slots(gen):
+    """8 clients at once (max_batch 8): every answer is its solo run; then 10 clients that leave mid-stream leave
+    nothing running or queued behind."""
+    prompts = [f"Tell me one thing about the number {i}." for i in range(8)]
+    with serving(create_app(gen, MODEL, max_queue=16, max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
+        ask = lambda p: post(url, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0})
+        texts = [r.json()["choices"][0]["text"] for r in pool.map(ask, prompts)]
+        assert texts == [gen.generate(p, max_new_tokens=24).text for p in prompts]
+        m = metrics(url)
+        assert m["swiftdecode_time_to_first_token_seconds_count"] >= 1
+        assert m['swiftdecode_queue_wait_seconds_bucket{le="+Inf"}'] == 8
+
+        def leave(i: int) -> None:
+            body = {"model": MODEL, "prompt": f"Count to {100 + i}:", "max_tokens": 300, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+
+        list(pool.map(leave, range(10)))
+        deadline = time.monotonic() + 60
+        while (m := metrics(url))["swiftdecode_requests_running"] or m["swiftdecode_queue_depth"]:
+            assert time.monotonic() < deadline, "a disconnected client's request is still held"
+            time.sleep(0.05)
+        assert m['swiftdecode_requests_total{outcome="cancelled"}'] == 10

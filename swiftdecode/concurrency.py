@@ -1,0 +1,139 @@
+"""`swiftdecode bench --concurrency N`: the prompts replayed through our OpenAI-compatible server by N clients at
+once, against one client at a time, on the same server (same model, method and batching settings).
+
+Each client streams `/v1/completions` with the prompt's token ids (chat template applied once, as in the bench),
+greedy, and records time to first token (first streamed text), wall time and completion tokens. Reported per
+mode: aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first token,
+mean per-request tokens/s, HTTP 429s, and whether every answer equals the one-client answer to the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+MODEL_ID = "bench"
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """Run `app` with uvicorn in a background thread on a free local port; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the bench server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def ask(url: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: text, completion tokens, time to first token, wall time, HTTP status."""
+    import httpx
+
+    body = {"model": MODEL_ID, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    t0, first, text, tokens = time.perf_counter(), None, [], 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "wall_s": time.perf_counter() - t0}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    first = first or time.perf_counter() - t0
+                    text.append(choice["text"])
+    wall = time.perf_counter() - t0
+    return {"status": 200, "text": "".join(text), "tokens": tokens, "ttft_s": first or wall, "wall_s": wall}
+
+
+def replay(url: str, ids: list[list[int]], max_tokens: int, clients: int) -> dict:
+    """All prompts through `clients` concurrent clients (each takes the next prompt when done)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = list(pool.map(lambda x: ask(url, x, max_tokens), ids))
+    wall = time.perf_counter() - t0
+    ok = [a for a in answers if a["status"] == 200]
+    ttft = sorted(a["ttft_s"] for a in ok)
+    return {
+        "clients": clients,
+        "requests": len(answers),
+        "completed": len(ok),
+        "rejected_429": sum(a["status"] == 429 for a in answers),
+        "wall_s": wall,
+        "aggregate_tokens_per_s": sum(a["tokens"] for a in ok) / wall,
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p95_s": _quantile(ttft, 0.95),
+        "per_request_tokens_per_s": statistics.fmean(a["tokens"] / a["wall_s"] for a in ok) if ok else None,
+        "answers": answers,
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
+
+
+def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int) -> dict:
+    """One client, then `clients` at once, through one server; answers compared prompt by prompt."""
+    from swiftdecode.server import create_app
+
+    app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
+    with serving(app) as url:
+        ask(url, ids[0], 8)  # warm-up
+        solo = replay(url, ids, max_tokens, 1)
+        together = replay(url, ids, max_tokens, clients)
+    same = [
+        a["status"] == 200 and a["text"] == b.get("text")
+        for a, b in zip(together["answers"], solo["answers"], strict=True)
+    ]
+    return {
+        "max_batch": max_batch,
+        "one_client": solo,
+        "concurrent": together,
+        "identical_to_one_client": sum(same),
+        "speedup": together["aggregate_tokens_per_s"] / solo["aggregate_tokens_per_s"],
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        "| clients | requests | completed | 429 | aggregate tok/s | per-request tok/s | TTFT p50 s | TTFT p95 s |",
+        "|" + "---|" * 8,
+    ]
+    for key in ("one_client", "concurrent"):
+        r = result[key]
+        rows.append(
+            f"| {r['clients']} | {r['requests']} | {r['completed']} | {r['rejected_429']} "
+            f"| {r['aggregate_tokens_per_s']:.2f} | {r['per_request_tokens_per_s'] or 0:.2f} "
+            f"| {r['ttft_p50_s'] or 0:.2f} | {r['ttft_p95_s'] or 0:.2f} |"
+        )
+    n = result["concurrent"]["requests"]
+    rows.append(
+        f"\nAggregate speedup {result['speedup']:.2f}x (--max-batch {result['max_batch']}); "
+        f"{result['identical_to_one_client']}/{n} concurrent answers identical to the one-client answers."
+    )
+    return "\n".join(rows)
