@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +13,7 @@ import openai
 import pytest
 
 from swiftdecode import Generator, UserError
+from swiftdecode.concurrency import serving
 from swiftdecode.server import create_app
 
 MODEL = "smollm2-135m"
@@ -24,28 +23,6 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def gen(smollm):
     return Generator(*smollm, method="swift")
-
-
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Run `app` with uvicorn in a background thread on a free port; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
