@@ -11,12 +11,18 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class BufferLayer(DynamicLayer):
-    """One layer's KV entries in a buffer that grows by doubling; appends copy only the new entries."""
+    """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
+    unless an append needs more; appends copy only the new entries."""
+
+    def __init__(self, limit: int | None = None):
+        super().__init__()
+        self.limit = limit
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._k = key_states.new_empty((*key_states.shape[:2], 256, key_states.shape[-1]))
-        self._v = value_states.new_empty((*value_states.shape[:2], 256, value_states.shape[-1]))
+        n = max(min(256, self.limit or 256), key_states.shape[-2])
+        self._k = key_states.new_empty((*key_states.shape[:2], n, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], n, value_states.shape[-1]))
         self.length = 0
         self.is_initialized = True
         self._refresh()
@@ -29,7 +35,8 @@ class BufferLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self._k.shape[2]:
-            grow = max(end, 2 * self._k.shape[2]) - self._k.shape[2]
+            doubled = 2 * self._k.shape[2] if self.limit is None else min(2 * self._k.shape[2], self.limit)
+            grow = max(end, doubled) - self._k.shape[2]
             self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2)
             self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2)
         self._k[:, :, self.length : end] = key_states
@@ -65,10 +72,12 @@ class BufferLayer(DynamicLayer):
 
 
 class SwiftCache(Cache):
-    """Cache for one sequence. `length` is layer 0's length (layer 0 is never skipped)."""
+    """Cache for one sequence. `length` is layer 0's length (layer 0 is never skipped). `limit`: the most
+    entries a layer's buffer grows to (beyond it only as appends require), so memory stays within a bound known
+    up front."""
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[BufferLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, limit: int | None = None):
+        super().__init__(layers=[BufferLayer(limit) for _ in range(num_layers)])
 
     @property
     def length(self) -> int:

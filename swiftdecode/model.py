@@ -38,6 +38,13 @@ class SwiftModel:
         self.lean = lean.LeanDecoder(model) if lean.supported(model) else None
         self.observer = None  # optional fn(layer, hidden in, hidden out) called by the lean forward
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take in the cache, all layers."""
+        c = self.config
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return self.n_layers * 2 * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+
     def reset(self) -> None:
         self.cache = SwiftCache(self.n_layers)
 

@@ -14,6 +14,9 @@ from swiftdecode.tree import SOURCE_NAMES
 # branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
 # one token, as plain decoding.
 MODES = ("ngram", "draft", "plain")
+# KV entries a round may write beyond the accepted tokens before rolling back: a draft tree (at most 64 nodes,
+# swift-paper's) and its root, or a 32-token search window; the cache may grow this far past the request's end.
+ROUND_SLACK = 128
 
 
 @dataclass
@@ -86,12 +89,14 @@ class StreamEvent:
 class Request:
     """A generation in progress: prompt ids, sampler, stop rules, its own KV cache and stats.
 
-    `ctx` is the prompt plus the tokens taken so far; its last token is not yet in the cache.
+    `ctx` is the prompt plus the tokens taken so far; its last token is not yet in the cache. Its cache never
+    grows past `capacity` entries per layer (prompt, budget and a round's slack).
     """
 
     def __init__(self, ids: list[int], budget: int, sampler: Sampler, stop: list[str], eos: set[int], decode, layers):
         self.ids, self.budget, self.sampler, self.stop, self.eos, self.decode = ids, budget, sampler, stop, eos, decode
-        self.cache = SwiftCache(layers)
+        self.capacity = len(ids) + budget + ROUND_SLACK
+        self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.start = time.perf_counter()

@@ -371,6 +371,8 @@ class Metrics:
 
 END = object()  # last item of every job's event queue
 DEFAULT_MAX_BATCH = 8  # requests decoding together; see README (Serving) for the measured throughput curve
+DEFAULT_KV_GB = 4.0  # KV cache the running requests may reserve (each: prompt + max tokens + a round's slack)
+DEFAULT_TIMEOUT_S = 600.0  # a request still queued or generating this long after submission ends with HTTP 504
 
 
 @dataclass(eq=False)
@@ -385,6 +387,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     streamed: int = 0  # tokens sent so far
     submitted: float = field(default_factory=time.perf_counter)
+    request: Any = None  # the engine's Request, once validated
     answered: bool = False  # some text was streamed
 
     def emit(self, item: object) -> None:
@@ -400,10 +403,20 @@ class Worker:
     them), admitted in arrival order; at most `max_queue` more wait, beyond that 429. A cancelled job (client
     gone) leaves the batch before the next round."""
 
-    def __init__(self, gen: "Generator", max_queue: int, metrics: Metrics, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(
+        self,
+        gen: "Generator",
+        max_queue: int,
+        metrics: Metrics,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_gb: float = DEFAULT_KV_GB,
+    ):
         from swiftdecode.batch import Batch
 
         self.gen, self.max_queue, self.metrics, self.max_batch = gen, max_queue, metrics, max_batch
+        self.timeout_s, self.kv_bytes, self.per_token = timeout_s, int(kv_gb * 2**30), gen.sm.kv_bytes_per_token()
+        self.reserved: dict[object, int] = {}  # Request -> KV bytes it may grow to
         self.batch = Batch(gen)
         self.pending: deque[Job] = deque()
         self.running: dict[object, Job] = {}  # Request -> its job
@@ -464,38 +477,65 @@ class Worker:
                     self.cond.wait()
                 if self.closed:
                     break
+                late = [j for j in self.pending if time.perf_counter() - j.submitted > self.timeout_s]
+                for job in late:
+                    self.pending.remove(job)
+            if late:
+                self._fail(late, self._timeout_error(), "timeout")
+            with self.cond:
                 admit = []
                 while self.pending and len(self.running) + len(admit) < self.max_batch:
                     admit.append(self.pending.popleft())
                 self.starting = len(admit)
-            for job in admit:
-                self._start(job)
+            for k, job in enumerate(admit):
+                started = self._start(job)
                 with self.cond:
                     self.starting -= 1
+                    if not started:  # waits for KV memory: it and those behind it go back, in order
+                        self.pending.extendleft(reversed(admit[k:]))
+                        self.starting = 0
+                if not started:
+                    break
             self._drop_cancelled()
+            self._drop_late()
             if len(self.batch):
                 self._round()
         for req in list(self.running):
             self._finish(req, "cancelled")
 
-    def _start(self, job: Job) -> None:
-        """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError)."""
+    def _start(self, job: Job) -> bool:
+        """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError). False: it must wait
+        for KV memory (the request is kept on the job)."""
         if job.cancelled.is_set():
             job.emit(END)
             self.metrics.count("cancelled")
-            return
-        self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
+            return True
         try:
-            prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: worker thread only
-            req = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
+            if job.request is None:
+                self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
+                prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: this thread only
+                job.request = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
+            req, need = job.request, job.request.capacity * self.per_token
+            if need > self.kv_bytes:
+                raise ApiError(
+                    413,
+                    f"prompt and max_tokens need {need / 2**30:.2f} GB of KV cache; this server allows "
+                    f"{self.kv_bytes / 2**30:.2f} GB (--max-kv-gb)",
+                )
+            if self.reserved and need > self.kv_bytes - sum(self.reserved.values()):
+                return False
             with self.cond:
                 self.running[req] = job
+                self.reserved[req] = need
             self._deliver(req, self.batch.add(req))
+        except ApiError as e:
+            self._fail([job], e)
         except UserError as e:
             self._fail([job], ApiError(e.status, str(e)))
         except Exception as e:  # never let one request take the server down
             log.exception("generation failed")
             self._fail([job], ApiError(500, f"internal error during generation: {type(e).__name__}"))
+        return True
 
     def _round(self) -> None:
         size = len(self.batch)
@@ -532,22 +572,39 @@ class Worker:
                 self.batch.remove(req)
                 self._finish(req, "cancelled")
 
+    def _timeout_error(self) -> ApiError:
+        return ApiError(
+            504, f"generation exceeded the server's request timeout ({self.timeout_s:g} s)", None, "timeout"
+        )
+
+    def _drop_late(self) -> None:
+        now = time.perf_counter()
+        late = [(r, j) for r, j in list(self.running.items()) if now - j.submitted > self.timeout_s]
+        for req, _ in late:
+            self.batch.remove(req)
+        if late:
+            self._fail([j for _, j in late], self._timeout_error(), "timeout")
+
     def _finish(self, req, outcome: str) -> None:
         with self.cond:
             job = self.running.pop(req)
+            self.reserved.pop(req, None)
         with self.metrics.lock:
             self.metrics.new_tokens += job.streamed
         self.metrics.count(outcome)
         job.emit(END)
 
-    def _fail(self, jobs: list[Job], error: ApiError) -> None:
+    def _fail(self, jobs: list[Job], error: ApiError, outcome: str = "error") -> None:
         with self.cond:
             for req in [r for r, j in self.running.items() if j in jobs]:
                 del self.running[req]
+                self.reserved.pop(req, None)
         for job in jobs:
+            with self.metrics.lock:
+                self.metrics.new_tokens += job.streamed
             job.emit(error)
             job.emit(END)
-            self.metrics.count("error")
+            self.metrics.count(outcome)
 
 
 # ---------------------------------------------------------------- HTTP layer
@@ -583,6 +640,8 @@ def create_app(
     *,
     max_queue: int = 64,
     max_batch: int = DEFAULT_MAX_BATCH,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kv_gb: float = DEFAULT_KV_GB,
     api_key: str | None = None,
 ) -> "FastAPI":
     """The FastAPI app serving `gen` as model `model_id`; the worker thread stops on app shutdown."""
@@ -599,7 +658,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal worker
-        worker = Worker(gen, max_queue, metrics, max_batch)
+        worker = Worker(gen, max_queue, metrics, max_batch, timeout_s, kv_gb)
         yield
         await asyncio.to_thread(worker.close)
 
@@ -801,6 +860,19 @@ def add_arguments(parser: "argparse.ArgumentParser") -> None:
     )
     parser.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; beyond -> 429")
     parser.add_argument(
+        "--max-kv-gb",
+        type=float,
+        default=DEFAULT_KV_GB,
+        help="KV cache the running requests may reserve (prompt + max tokens each); a request waits for room, "
+        f"one that can never fit gets 413 (default: {DEFAULT_KV_GB:g})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds a request may take from arrival, queue included; beyond -> 504 (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SWIFTDECODE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $SWIFTDECODE_API_KEY; none = open)",
@@ -831,12 +903,24 @@ def run(args: "argparse.Namespace") -> int:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not args.request_timeout > 0:
+        raise UserError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if not args.max_kv_gb > 0:
+        raise UserError(f"--max-kv-gb must be > 0, got {args.max_kv_gb}")
     sock = listen(args.host, args.port)
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
     gen = Generator(model, tokenizer, method=args.method)
-    app = create_app(gen, args.model, max_queue=args.max_queue, max_batch=args.max_batch, api_key=args.api_key)
+    app = create_app(
+        gen,
+        args.model,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        timeout_s=args.request_timeout,
+        kv_gb=args.max_kv_gb,
+        api_key=args.api_key,
+    )
     print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACE_S)
     uvicorn.Server(config).run(sockets=[sock])

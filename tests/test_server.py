@@ -311,3 +311,34 @@ def test_concurrent_requests_decode_together_exactly_and_disconnects_free_slots(
             assert time.monotonic() < deadline, "a disconnected client's request is still held"
             time.sleep(0.05)
         assert m['swiftdecode_requests_total{outcome="cancelled"}'] == 10
+
+
+def test_request_timeout_ends_a_long_generation_with_504(gen):
+    with serving(create_app(gen, MODEL, timeout_s=1.0)) as url:
+        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0}
+        err = assert_error(post(url, "/v1/completions", long), 504)
+        assert err["code"] == "timeout"
+        m = metrics(url)
+        assert m['swiftdecode_requests_total{outcome="timeout"}'] == 1 and m["swiftdecode_requests_running"] == 0
+        ok = post(url, "/v1/completions", {**long, "max_tokens": 4})  # the server carries on
+        assert (
+            ok.status_code == 200
+            and ok.json()["choices"][0]["text"] == gen.generate("1, 2, 3, 4, 5,", max_new_tokens=4).text
+        )
+
+
+def test_kv_budget_queues_what_does_not_fit_and_rejects_what_never_can(gen):
+    """--max-kv-gb: requests reserve prompt + max_tokens of KV cache; two that do not fit together run one after
+    the other (both exact), one that can never fit gets 413 at once."""
+    per_request = (8 + 60 + 128) * gen.sm.kv_bytes_per_token()  # prompt, max_tokens, a round's slack
+    with serving(create_app(gen, MODEL, kv_gb=1.5 * per_request / 2**30)) as url, ThreadPoolExecutor(2) as pool:
+        body = {"model": MODEL, "max_tokens": 60, "temperature": 0}
+        prompts = ["The sky is", "Water boils at"]
+        outs = list(pool.map(lambda p: post(url, "/v1/completions", {**body, "prompt": p}), prompts))
+        assert [r.json()["choices"][0]["text"] for r in outs] == [
+            gen.generate(p, max_new_tokens=60).text for p in prompts
+        ]
+        err = assert_error(post(url, "/v1/completions", {**body, "prompt": "Hi", "max_tokens": 1000}), 413)
+        assert "KV cache" in err["message"]
+        m = metrics(url)
+        assert m["swiftdecode_requests_running"] == 0 and m["swiftdecode_queue_depth"] == 0
