@@ -118,3 +118,18 @@ def test_one_call_for_several_weights_equals_separate_calls():
     for kern in kernels():
         many = kern.linear_many(x, ws, biases)
         assert all(torch.equal(y, kern.linear(x, w, b)) for y, w, b in zip(many, ws, biases, strict=True))
+
+
+def test_quant_linear_uses_a_bias_set_after_construction():
+    """Loading sets biases after building the layers: the layer's prepared kernel call must follow."""
+    from torch import nn
+
+    from swiftdecode.kernels.modules import QuantLinear
+
+    k, n = 256, 32
+    w = QuantWeight.from_gguf("Q4_K", random_blocks("Q4_K", n, k), n, k)
+    kern = kernels()[0]
+    layer, x = QuantLinear(w, None, kern), torch.randn(3, k)
+    assert torch.equal(layer(x), kern.linear(x, w))
+    layer.bias = nn.Parameter(torch.randn(n), requires_grad=False)
+    assert torch.equal(layer(x), kern.linear(x, w, layer.bias))

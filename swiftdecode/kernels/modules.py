@@ -20,10 +20,12 @@ class QuantLinear(nn.Module):
         self.qweight, self.kernel = qweight, kernel
         self.in_features, self.out_features = qweight.k, qweight.n
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        self.plan = Plan([qweight], [self.bias])
+        self._plan: Plan | None = None  # the prepared kernel call, rebuilt if the bias is replaced (as loading does)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.run(self.plan, x)[0]
+        if self._plan is None or self._plan.bias_tensors[0] is not self.bias:
+            self._plan = Plan([self.qweight], [self.bias])
+        return self.kernel.run(self._plan, x)[0]
 
     def extra_repr(self) -> str:
         q = self.qweight
