@@ -73,6 +73,7 @@ class Generator:
         self.eos = _eos_ids(model, tokenizer)
         self.search: LayerSearch | None = None
         self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
+        self.explore_s = 0.0  # ... of those, seconds in rounds of a kind other than the fastest (re-measuring)
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each mode
         self.step_s: float | None = None  # measured seconds of one draft forward (EMA)
         self.search_step_s: float | None = None  # seconds of a search step: the last, or a decaying maximum
@@ -186,6 +187,7 @@ class Generator:
             return out
         self.decode_s = 0.995 * self.decode_s + (t1 - t0)  # decayed: idle time builds up no search burst
         self.search_s *= 0.995
+        self.explore_s = 0.995 * self.explore_s + (t1 - t0 if mode != self._fastest() else 0.0)
         self._observe_rate(mode, len(out), t1 - t0)
         if self.search is not None:
             if mode != "plain":
@@ -269,19 +271,29 @@ class Generator:
     def _choose_mode(self) -> str:
         """How this round drafts, among the config's `modes` (see MODES; "draft" once a skip set exists):
         whichever has yielded the most tokens per second lately, measured; every EXPLORE_EVERY-th round tries
-        another one in turn. Non-adaptive configs always draft."""
+        another one in turn while such re-measuring stays within EXPLORE_SHARE of decoding time (a draft round
+        can cost several plain ones). Non-adaptive configs always draft."""
         if not self.cfg.adaptive:
             return "draft"
         self.rounds += 1
-        modes = [m for m in self.cfg.modes if m != "draft" or self.skip is not None]
+        modes = self._modes()
         untried = [m for m in modes if self.rate[m] is None]
         if untried:
             return untried[0]
-        best = max(modes, key=lambda m: self.rate[m])
-        if self.rounds % EXPLORE_EVERY or len(modes) == 1:
+        best = self._fastest()
+        explore = self.rounds % EXPLORE_EVERY == 0 and self.explore_s < EXPLORE_SHARE * self.decode_s
+        if not explore or len(modes) == 1:
             return best
         others = [m for m in modes if m != best]
         return others[(self.rounds // EXPLORE_EVERY) % len(others)]
+
+    def _modes(self) -> list[str]:
+        return [m for m in self.cfg.modes if m != "draft" or self.skip is not None]
+
+    def _fastest(self) -> str | None:
+        """The round kind with the highest measured tokens/s (None until every kind has been measured)."""
+        modes = self._modes()
+        return None if any(self.rate[m] is None for m in modes) else max(modes, key=lambda m: self.rate[m])
 
     def _observe_rate(self, mode: str, tokens: int, seconds: float) -> None:
         self.rate[mode] = _ema(self.rate[mode], tokens / seconds, 0.9)
@@ -380,7 +392,8 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-EXPLORE_EVERY = 8  # rate estimates of the round kinds not in use go stale; re-measure one every 8th round
+EXPLORE_EVERY = 8  # rate estimates of the round kinds not in use go stale; re-measure one every 8th round ...
+EXPLORE_SHARE = 0.05  # ... while re-measuring takes under 5% of decoding time (measured: 14-20% before this cap)
 FIRST_STEP_TOKENS = 3.0  # a search step (1-2 forwards of a 32-token window), guessed in per-token decoding time
 
 

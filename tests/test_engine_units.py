@@ -316,8 +316,8 @@ def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
         # one token from the prefill, one per round; an EOS ends the last round uncounted
         assert kinds["draft"] == kinds["ngram"] == 0 and kinds["plain"] == s.new_tokens - (res.finish_reason != "stop")
     if method == "ngram":
-        assert kinds["draft"] == acc["skip"] == acc["both"] == 0 and acc["ngram"] > 0
+        assert kinds["draft"] == acc["skip"] == acc["both"] == 0 and kinds["ngram"] > 0
     if method == "skip-only":
-        assert kinds["ngram"] == acc["ngram"] == acc["both"] == 0 and acc["skip"] > 0
+        assert kinds["ngram"] == acc["ngram"] == acc["both"] == 0 and kinds["draft"] > 0
     if method == "swift":
-        assert kinds["draft"] > 0 and acc["skip"] + acc["both"] > 0
+        assert kinds["draft"] > 0 and kinds["ngram"] > 0
