@@ -90,12 +90,14 @@ def test_swift_sampling_is_plain_sampling(smollm, spec_bench, temperature, top_p
     model, tok = smollm
     swift, ar = Generator(model, tok, method="swift"), Generator(model, tok, method="ar")
     kw = dict(max_new_tokens=48, temperature=temperature, top_p=top_p, top_k=top_k, chat=True)
+    tree_rounds = 0
     for i, prompt in enumerate(pick_prompts(spec_bench, 1, ["writing", "qa", "summarization"])):
         a = swift.generate(prompt, seed=i, **kw)
         assert a.token_ids == ar.generate(prompt, seed=i, **kw).token_ids
         assert a.token_ids == swift.generate(prompt, seed=i, **kw).token_ids  # reproducible as search moves on
         assert a.token_ids != ar.generate(prompt, seed=i + 100, **kw).token_ids
-        assert a.stats.tree_rounds > 0
+        tree_rounds += a.stats.tree_rounds
+    assert tree_rounds > 0  # speculative rounds ran (which requests get them depends on measured speeds)
 
 
 def test_qwen_quantized_lossless_and_close_to_hf(qwen, spec_bench):
