@@ -19,7 +19,7 @@ import torch
 from swiftdecode.drafting import add_chain, ngram_continuation
 from swiftdecode.engine import Generator
 from swiftdecode.request import Request, StreamEvent
-from swiftdecode.tree import SOURCE_NAMES, Tree
+from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
 
 # Rows of one batched forward, roots included, before n-gram nodes are given out: beyond ~16 rows the quantized
@@ -130,8 +130,4 @@ def _account(req: Request, tree: Tree, path: list[int], seconds: float) -> None:
     s.round_seconds[kind] += seconds
     s.time_split["verify"] += seconds
     if len(tree):
-        s.drafted_depth += max(tree.depths)
-        s.accepted_draft_tokens += len(path)
-        s.round_tokens += len(path) + 1
-        for i in path:
-            s.accepted_by_source[SOURCE_NAMES[tree.sources[i]]] += 1
+        s.count_tree(tree, path)

@@ -21,7 +21,7 @@ from swiftdecode.request import MODES, GenerationResult, GenerationStats, Reques
 from swiftdecode.sampling import Sampler, SamplingParams
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig
 from swiftdecode.skip import SkipSet
-from swiftdecode.tree import SOURCE_NAMES, Tree
+from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
 
 
@@ -236,11 +236,7 @@ class Generator:
         stats.time_split["draft"] += t1 - t0
         stats.time_split["verify"] += t2 - t1
         stats.draft_steps += steps
-        stats.drafted_depth += max(tree.depths, default=0)
-        stats.accepted_draft_tokens += len(path)
-        stats.round_tokens += len(path) + 1
-        for i in path:
-            stats.accepted_by_source[SOURCE_NAMES[tree.sources[i]]] += 1
+        stats.count_tree(tree, path)
         if steps:
             self.step_s = _ema(self.step_s, (t1 - t0) / steps)
         return [tree.tokens[i] for i in path] + [bonus]

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from swiftdecode.cache import SwiftCache
 from swiftdecode.sampling import Sampler
-from swiftdecode.tree import SOURCE_NAMES
+from swiftdecode.tree import SOURCE_NAMES, Tree
 
 # Kinds of decoding round (see Generator._choose_mode), in the order they are first tried: "ngram" = the n-gram
 # branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
@@ -38,6 +38,14 @@ class GenerationStats:
     skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
     search: str = "off"
     batched_rounds: int = 0  # rounds decoded together with other requests (server batching)
+
+    def count_tree(self, tree: Tree, path: list[int]) -> None:
+        """Count a verified tree round: drafted depth, accepted nodes (`path`) by the drafter that proposed them."""
+        self.drafted_depth += max(tree.depths, default=0)
+        self.accepted_draft_tokens += len(path)
+        self.round_tokens += len(path) + 1
+        for i in path:
+            self.accepted_by_source[SOURCE_NAMES[tree.sources[i]]] += 1
 
     @property
     def tree_rounds(self) -> int:
