@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from swiftdecode.config import METHODS
 from swiftdecode.errors import UserError
 
 __version__ = "0.1.0"
-# decoding methods of the engine (see engine.preset); "ngram" and "skip-only" are ablations of "swift"
-METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
 __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", "METHODS"]
 
 
@@ -29,7 +28,7 @@ def load(
     weights="gguf" (default): a model that comes as a GGUF computes from its own quantized blocks (the
     qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32."""
     from swiftdecode.fastpath import accelerate
-    from swiftdecode.models import WEIGHTS, load_model, locate_gguf
+    from swiftdecode.hub import WEIGHTS, load_model, locate_gguf
 
     if weights not in WEIGHTS:
         raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
@@ -38,7 +37,7 @@ def load(
         model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, progress=progress)
     else:
         model, tokenizer = _load_quantized(*files, progress)
-    model.fast_path = accelerate(model, mode=fast_path)
+    accelerate(model, mode=fast_path)  # leaves its kernel and state in model.fast_path
     return model, tokenizer
 
 

@@ -19,10 +19,13 @@ class BufferLayer(DynamicLayer):
         self.limit = limit
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        n = max(min(256, self.limit or 256), key_states.shape[-2])
-        self._k = key_states.new_empty((*key_states.shape[:2], n, key_states.shape[-1]))
-        self._v = value_states.new_empty((*value_states.shape[:2], n, value_states.shape[-1]))
+        self._allocate(key_states.shape[:2], key_states.shape[-2], key_states.shape[-1], key_states)
+
+    def _allocate(self, lead: tuple, entries: int, dim: int, like: torch.Tensor) -> None:
+        self.device = like.device
+        n = max(min(256, self.limit or 256), entries)
+        self._k = like.new_empty((*lead, n, dim))
+        self._v = like.new_empty((*lead, n, dim))
         self.length = 0
         self.is_initialized = True
         self._refresh()
@@ -30,20 +33,36 @@ class BufferLayer(DynamicLayer):
     def _refresh(self) -> None:
         self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+    def _room(self, end: int) -> None:
+        """Grow the buffers to hold `end` entries (doubling, capped at `limit` unless `end` needs more)."""
         if end > self._k.shape[2]:
             doubled = 2 * self._k.shape[2] if self.limit is None else min(2 * self._k.shape[2], self.limit)
             grow = max(end, doubled) - self._k.shape[2]
             self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2)
             self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self._room(end)
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
         self.length = end
         self._refresh()
         return self.keys, self.values
+
+    def reserve(self, n: int, heads: int, dim: int, like: torch.Tensor) -> tuple[int, int, int, int]:
+        """Room for n more entries (buffers [1, heads, ·, dim] of `like`'s dtype) for a native writer: returns
+        (keys address, values address, head stride, length); `extend(n)` then counts what it wrote."""
+        if not self.is_initialized:
+            self._allocate((1, heads), n, dim, like)
+        self._room(self.length + n)
+        return self._k.data_ptr(), self._v.data_ptr(), self._k.stride(1), self.length
+
+    def extend(self, n: int) -> None:
+        self.length += n
+        self._refresh()
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0

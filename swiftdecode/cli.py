@@ -12,9 +12,9 @@ from swiftdecode.errors import UserError
 COMMANDS = {
     "generate": ("swiftdecode.generate_cli", "generate text (one or many prompts)"),
     "chat": ("swiftdecode.chat", "interactive chat in the terminal"),
-    "bench": ("swiftdecode.bench", "benchmark decoding methods side by side"),
-    "serve": ("swiftdecode.server", "OpenAI-compatible HTTP server"),
-    "pull": ("swiftdecode.models", "download, assemble and convert a registry model"),
+    "bench": ("swiftdecode.bench.cli", "benchmark decoding methods side by side"),
+    "serve": ("swiftdecode.server.cli", "OpenAI-compatible HTTP server"),
+    "pull": ("swiftdecode.pull_cli", "download, assemble and convert a registry model"),
     "doctor": ("swiftdecode.doctor", "show the CPU matmul path and multi-token forward costs"),
 }
 

@@ -20,7 +20,7 @@ KS = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from swiftdecode.models import add_model_argument
+    from swiftdecode.pull_cli import add_model_argument
 
     add_model_argument(parser)
     parser.add_argument("--fast-path", default="auto", help="fast path to compare with torch (default: auto)")

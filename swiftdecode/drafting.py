@@ -3,32 +3,14 @@ continuations copied from the context, all on the full model's own KV cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from swiftdecode.config import DraftConfig
 from swiftdecode.model import SwiftModel
 from swiftdecode.sampling import Sampler, probabilities
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import NGRAM, SKIP, Tree
-
-# SWIFT's mapping from the draft's top-1 probability to the number of candidates at a depth:
-# the more confident the draft, the fewer siblings it needs.
-GREEDY_TOPK = ((0.95, 3), (0.8, 5), (0.5, 8), (0.0, 10))
-SAMPLING_TOPK = ((0.95, 1), (0.8, 3), (0.5, 5), (0.0, 10))
-# On a CPU every verified token costs: fewer siblings, and the cheapest ones are chosen by acceptance odds.
-COMPACT_TOPK = ((0.95, 1), (0.8, 2), (0.5, 3), (0.0, 4))
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    max_depth: int = 8  # draft forwards per round at most
-    epsilon: float = 0.8  # stop drafting once the draft's top-1 probability falls below this
-    max_nodes: int = 24  # tree nodes at most; skip-draft nodes are kept best first by estimated acceptance
-    topk: tuple[tuple[float, int], ...] = GREEDY_TOPK  # candidates per depth, greedy decoding
-    sampling_topk: tuple[tuple[float, int], ...] = SAMPLING_TOPK  # ... when sampling
-    ngram: int = 0  # longest n-gram continuation from the context added as a branch (0 = off)
 
 
 def candidates_for(confidence: float, topk: tuple[tuple[float, int], ...]) -> int:
@@ -127,3 +109,26 @@ def add_chain(tree: Tree, tokens: list[int], max_nodes: int) -> None:
         if len(tree.tokens) >= max_nodes and all(tree.tokens[i] != t for i in tree.children(parent)):
             return
         parent = tree.add(t, parent, NGRAM)  # merges with an existing child
+
+
+class DraftVocab:
+    """The draft vocabulary: the `size` tokens seen most often so far in prompts and outputs (0: the whole
+    vocabulary). A request's prompt is always in; verification still scores the whole vocabulary."""
+
+    def __init__(self, sm: SwiftModel, size: int):
+        self.sm, self.size = sm, size
+        self.counts = torch.zeros(sm.vocab_size)  # tokens seen in prompts and outputs: the draft vocabulary's prior
+
+    def count(self, ids: list[int]) -> None:
+        self.counts.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.ones(len(ids)))
+
+    def prompt(self, ids: list[int]) -> None:
+        """Count a prompt and draft over the `size` tokens most seen so far (this prompt's always in), earlier
+        ids first on ties (BPE ids roughly follow frequency)."""
+        if not self.size:
+            return
+        self.count(ids)
+        prior = 1.0 / (1.0 + torch.arange(len(self.counts), dtype=torch.float32))
+        score = self.counts + prior
+        score[torch.tensor(ids)] = float("inf")
+        self.sm.set_draft_vocab(torch.topk(score, min(self.size, len(score))).indices)

@@ -8,11 +8,12 @@ import sys
 
 from swiftdecode import METHODS
 from swiftdecode.errors import UserError
+from swiftdecode.params import check_params
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by generate and chat."""
-    from swiftdecode.models import add_model_argument
+    from swiftdecode.pull_cli import add_model_argument
 
     add_model_argument(p)
     p.add_argument("--method", default="swift", choices=METHODS, help="decoding method (default: swift)")
@@ -35,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
-    from swiftdecode.engine import check_params
-
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     check_params(**kw, stop=args.stop)
     return dict(kw, seed=args.seed, stop=args.stop)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from swiftdecode.cache import SwiftCache
+from swiftdecode.kernels.decoder import SKIP_ATTN, SKIP_MLP, FusedDecoder, LayerWeights
 from swiftdecode.kernels.modules import QuantLinear
 from swiftdecode.kernels.qgemm import Plan
 from swiftdecode.skip import SkipSet
@@ -35,20 +35,24 @@ def supported(model: torch.nn.Module) -> bool:
 
 
 class LeanDecoder:
-    """Forward of the decoder's layers on a SwiftCache, with the fast path's fp32 kernel library (attention,
-    RMSNorm, rotary) passed to each call."""
+    """Forward of the decoder's layers on SwiftCaches, with the fast path's fp32 kernel library (attention,
+    RMSNorm, rotary, SiLU) passed to each call. When every projection is quantized the layer loop runs natively
+    (kernels/decoder.py: the same kernels in the same order, so the same bits); a forward that observes hidden
+    states, or a model with float projections, runs the loop below."""
 
     def __init__(self, model: torch.nn.Module):
         self.base = model.get_decoder()
         self.layers = self.base.layers
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.eps = self.layers[0].input_layernorm.variance_epsilon
         # per layer: the prepared kernel calls of q/k/v and of gate/up (None where not all quantized)
         self.plans = [
             (_plan((a.q_proj, a.k_proj, a.v_proj)), _plan((m.gate_proj, m.up_proj)))
             for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)
         ]
+        self._fused: tuple[object, FusedDecoder] | None = None  # (fp32 kernel it is bound to, the native loop)
 
     def forward(
         self,
@@ -65,32 +69,35 @@ class LeanDecoder:
         keys of a layer that has every entry; a layer whose attention a draft skipped has fewer: its keys are the
         mask's first columns). Returns [R, H]. Row r's result depends on its own inputs and sequence only, bit
         for bit: every other operation is row-local."""
-        norm = lambda x, module: kernel.rmsnorm(x, module.weight, self.eps)
-        x = self.base.embed_tokens(ids)
+        x = self.base.embed_tokens(ids).contiguous()
         cos, sin = (t[0].float().contiguous() for t in self.base.rotary_emb(x[None], positions[None]))  # [R, D]
-        sizes = [len(m) for m in masks]
+        fused = self._native(kernel) if observe is None else None
+        if fused is not None:
+            self._run_native(fused, x, cos, sin, masks, caches, skip, kernel)
+        else:
+            x = self._run_python(x, cos, sin, masks, caches, skip, kernel, observe)
+        return kernel.rmsnorm(x, self.base.norm.weight, self.eps)
+
+    def _run_python(self, x, cos, sin, masks, caches, skip, kernel, observe) -> torch.Tensor:
+        norm = lambda x, module: kernel.rmsnorm(x, module.weight, self.eps)
         for i, layer in enumerate(self.layers):
             h_in = x
             if i not in skip.attn:
                 h = norm(x, layer.input_layernorm)
-                x = x + self._attention(layer.self_attn, h, cos, sin, masks, caches, sizes, i, kernel)
+                x = x + self._attention(layer.self_attn, h, cos, sin, masks, caches, i, kernel)
             if i not in skip.mlp:
                 mlp, h = layer.mlp, norm(x, layer.post_attention_layernorm)
                 gate, up = _project(h, (mlp.gate_proj, mlp.up_proj), self.plans[i][1])
-                x = x + mlp.down_proj(F.silu(gate, inplace=True).mul_(up))
+                x = x + mlp.down_proj(kernel.silu_mul(gate.contiguous(), up.contiguous()))
             if observe is not None:
                 observe(i, h_in, x)
-        return norm(x, self.base.norm)
+        return x
 
-    def _attention(self, attn, h, cos, sin, masks, caches, sizes, i, kernel) -> torch.Tensor:
+    def _attention(self, attn, h, cos, sin, masks, caches, i, kernel) -> torch.Tensor:
         rows, d = h.shape[0], self.head_dim
         q, k, v = (t.view(rows, -1, d) for t in _project(h, (attn.q_proj, attn.k_proj, attn.v_proj), self.plans[i][0]))
         q, k = kernel.rope(q.contiguous(), cos, sin), kernel.rope(k.contiguous(), cos, sin)
-        if len(caches) == 1:
-            keys, values = caches[0].layers[i].update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            mask = masks[0][:, : keys.shape[2]]
-            out = kernel.attention(q.transpose(0, 1), keys[0], values[0], mask, self.scale)
-            return attn.o_proj(out.reshape(rows, -1))
+        sizes = [len(m) for m in masks]
         kv = [
             cache.layers[i].update(kj.transpose(0, 1)[None], vj.transpose(0, 1)[None])
             for kj, vj, cache in zip(k.split(sizes), v.split(sizes), caches, strict=True)
@@ -98,12 +105,62 @@ class LeanDecoder:
         out = kernel.attention_many(q, [k[0] for k, _ in kv], [v[0] for _, v in kv], masks, sizes, self.scale)
         return attn.o_proj(out.reshape(rows, -1))
 
+    def _native(self, kernel) -> FusedDecoder | None:
+        """The native layer loop bound to `kernel`'s fp32 entry points, when every projection is quantized."""
+        if self._fused is None or self._fused[0] is not kernel:
+            linears = [_linears(layer) for layer in self.layers]
+            fused = None
+            if hasattr(kernel, "addresses") and all(isinstance(m, QuantLinear) for ms in linears for m in ms):
+                weights = [
+                    LayerWeights(
+                        tuple(m.qweight for m in ms), tuple(m.bias for m in ms),
+                        layer.input_layernorm.weight.float().contiguous(),
+                        layer.post_attention_layernorm.weight.float().contiguous(),
+                    )
+                    for layer, ms in zip(self.layers, linears, strict=True)
+                ]  # fmt: skip
+                attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+                dims = dict(
+                    hidden=attn.o_proj.out_features, heads=attn.q_proj.out_features // self.head_dim,
+                    kv_heads=self.kv_heads, head_dim=self.head_dim, inter=mlp.gate_proj.out_features,
+                    eps=self.eps, scale=self.scale,
+                )  # fmt: skip
+                fused = FusedDecoder(attn.q_proj.kernel, weights, dims, kernel.addresses)
+            self._fused = (kernel, fused)
+        return self._fused[1]
+
+    def _run_native(self, fused: FusedDecoder, x, cos, sin, masks, caches, skip, kernel) -> None:
+        """All layers on x in place, through the native loop; the caches gain the rows of every layer that ran."""
+        flags = bytes(
+            (SKIP_ATTN if i in skip.attn else 0) | (SKIP_MLP if i in skip.mlp else 0) for i in range(len(self.layers))
+        )
+        seqs, kv, row, max_t = [], [], 0, 1
+        for cache, mask in zip(caches, masks, strict=True):
+            rows = len(mask)
+            seqs.append((rows, row, mask))
+            row += rows
+            for layer, flag in zip(cache.layers, flags, strict=True):
+                entry = (None, None, 0, 0) if flag & SKIP_ATTN else layer.reserve(rows, self.kv_heads, self.head_dim, x)
+                kv.append(entry)
+                max_t = max(max_t, entry[3] + rows)
+        fused.run(x, cos, sin, flags, seqs, kv, kernel.attention_scratch(max_t))
+        for cache, mask in zip(caches, masks, strict=True):
+            for layer, flag in zip(cache.layers, flags, strict=True):
+                if not flag & SKIP_ATTN:
+                    layer.extend(len(mask))
+
 
 def _plan(linears: tuple) -> Plan | None:
     """One kernel call for projections of the same input, when they are all quantized (x quantized once)."""
     if all(isinstance(m, QuantLinear) for m in linears):
         return Plan([m.qweight for m in linears], [m.bias for m in linears])
     return None
+
+
+def _linears(layer) -> tuple:
+    """A layer's projections in the native loop's order: q, k, v, o, gate, up, down."""
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
 
 
 def _project(h: torch.Tensor, linears: tuple, plan: Plan | None) -> list[torch.Tensor]:

@@ -67,14 +67,14 @@ class SwiftModel:
         if self.layer_types:
             sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
             mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
-        kernel = self._lean_kernel()
+        kernel, sparsity = self._lean_kernel(), fastpath.info_of(self.model).sparsity
         if kernel is not None:
             ids_t = torch.tensor(ids, device=self.device)
-            with fastpath.sparse_draft(skip.sparsity if skip else 0):
+            with sparsity.draft(skip.sparsity if skip else 0):
                 return self.lean.forward(
                     ids_t, positions, [mask[0, 0]], [self.cache], skip or SkipSet(), kernel, self.observer
                 )
-        with self.skipper.use(skip), fastpath.sparse_draft(skip.sparsity if skip else 0):
+        with self.skipper.use(skip), sparsity.draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=positions[None].to(self.device),
@@ -86,9 +86,12 @@ class SwiftModel:
 
     def _lean_kernel(self):
         """The fp32 kernel library when this model runs the lean forward (Llama anatomy, fast path on), else None."""
-        kernel = fastpath.FastLinear.kernel
-        on_kernel = getattr(self.model.config, "_attn_implementation", None) == "swiftdecode" and kernel is not None
-        return kernel if self.lean is not None and on_kernel and not self.layer_types else None
+        kernel = fastpath.info_of(self.model).kernel
+        return kernel if self.lean is not None and not self.layer_types else None
+
+    def calibrating(self):
+        """Context: the forward inside sets the MLPs' activation-sparsity thresholds from its inputs."""
+        return fastpath.info_of(self.model).sparsity.calibrate()
 
     @torch.inference_mode()
     def forward_batch(
@@ -132,7 +135,7 @@ class SwiftModel:
             return self.logits(hidden), None
         if self.quantized:
             return self._cap(self.lm_head.kernel.linear(hidden, self.draft_weight)).float(), self.draft_ids
-        kernel = fastpath.FastLinear.kernel
+        kernel = fastpath.info_of(self.model).kernel
         fast = kernel is not None and isinstance(self.lm_head, fastpath.FastLinear) and hidden.dtype == torch.float32
         logits = kernel.linear(hidden, self.draft_weight, None) if fast else hidden @ self.draft_weight.T
         return self._cap(logits).float(), self.draft_ids

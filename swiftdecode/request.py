@@ -7,13 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from swiftdecode.cache import SwiftCache
+from swiftdecode.config import MODES
 from swiftdecode.sampling import Sampler
 from swiftdecode.tree import SOURCE_NAMES, Tree
 
-# Kinds of decoding round (see Generator._choose_mode), in the order they are first tried: "ngram" = the n-gram
-# branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
-# one token, as plain decoding.
-MODES = ("ngram", "draft", "plain")
 # KV entries a round may write beyond the accepted tokens before rolling back: a draft tree (at most 64 nodes,
 # swift-paper's) and its root, or a 32-token search window; the cache may grow this far past the request's end.
 ROUND_SLACK = 128

@@ -9,20 +9,9 @@ the same text with any method.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from swiftdecode.params import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """On-the-fly layer-set optimisation: random local moves plus Bayesian optimisation over skip sets.
 
-A skip set is scored by its matchness α (see `Generator.matchness`) on a window of the live context. SWIFT
+A skip set is scored by its matchness α (see `tuning.matchness`) on a window of the live context. SWIFT
 maximises α at a fixed skip ratio; by default we maximise the expected speedup of drafting with it instead,
 which lets the number of skipped sublayers float (small models are far less redundant than 13B-70B ones).
 """
@@ -12,23 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from swiftdecode.config import SearchConfig
 from swiftdecode.skip import SkipSet
 
 ADOPT_MARGIN = 1.005  # a candidate replaces the best set only if it scores 0.5% higher on the same window (noise)
-
-
-@dataclass(frozen=True)
-class SearchConfig:
-    beta: int = 25  # every beta-th candidate comes from a Bayesian-optimisation (GP-UCB) step
-    target_matchness: float = 0.93  # stop once the best set matches this often
-    patience: int = 60  # ... or after this many candidates without improvement
-    max_evals: int = 400  # ... or after this many candidates
-    fixed_ratio: float | None = None  # SWIFT's fixed skip ratio (0.45); None = free size, maximise speedup
-    kappa: float = 2.0  # UCB exploration weight
-    restart_drop: float = 0.7  # search again when acceptance falls below this fraction of its converged level
-    verify_cost: float = 1.15  # cost of a verification forward relative to a 1-token full forward
-    max_depth: int = 8
-    max_overhead: float = 0.03  # search only while its time stays below this share of decoding time
+ACCEPT_KEEP = 0.9  # EMA factor of accepted tokens per round: ~10 rounds of memory, so one bad round is no new task
 
 
 @dataclass(frozen=True)
@@ -121,7 +109,7 @@ class LayerSearch:
         """Track accepted tokens per round after convergence; a clear drop (a new task) restarts the search."""
         if self.searching:
             return
-        self.accept_ema = accepted if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * accepted
+        self.accept_ema = accepted if self.accept_ema is None else ACCEPT_KEEP * self.accept_ema + (1 - ACCEPT_KEEP) * accepted
         if self.accept_level is None or self.accept_ema > self.accept_level:
             self.accept_level = self.accept_ema
         elif self.accept_ema < self.cfg.restart_drop * self.accept_level:

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from swiftdecode import bench
+from swiftdecode.bench import hf, runners, stream, summary
+from swiftdecode.bench.methods import Outcome, cut_at_eos
 from swiftdecode.cli import main
+from swiftdecode.data import Prompt
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -85,7 +87,7 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
     ],
 )
 def test_bad_input_exits_2_before_loading(tmp_path, capsys, monkeypatch, extra, data, message):
-    monkeypatch.setattr(bench, "load_target", lambda args: pytest.fail("model loaded despite bad input"))
+    monkeypatch.setattr(runners, "load_target", lambda args: pytest.fail("model loaded despite bad input"))
     path = tmp_path / "d.jsonl"
     if data == "ok":
         write_data(path)
@@ -97,8 +99,8 @@ def test_bad_input_exits_2_before_loading(tmp_path, capsys, monkeypatch, extra, 
 
 
 def record(index: int, method: str, ids: list[int], tps: float, category: str = "qa") -> dict:
-    o = bench.Outcome(ids, wall_s=len(ids) / tps)
-    return bench.record(index, bench.Prompt(str(index), category, "x"), method, 3, o)
+    o = Outcome(ids, wall_s=len(ids) / tps)
+    return stream.record(index, Prompt(str(index), category, "x"), method, 3, o)
 
 
 class Tok:
@@ -123,7 +125,7 @@ def test_summary_counts_every_mismatch():
         fast_path="auto",
         hf_fast_path=False,
     )
-    res = bench.summarize(records, ["hf", "ar", "pld"], args, {}, Tok(), chat=False)
+    res = summary.summarize(records, ["hf", "ar", "pld"], args, {}, Tok(), chat=False)
     assert [(m["method"], m["prompt_id"], m["position"]) for m in res["mismatches"]] == [
         ("pld", "0", 1),
         ("pld", "1", 2),
@@ -138,9 +140,9 @@ def test_summary_counts_every_mismatch():
 
 
 def test_cut_at_eos():
-    assert bench.cut_at_eos([5, 6, 2, 7], {2}) == [5, 6]
-    assert bench.cut_at_eos([5, 6], {2}) == [5, 6]
-    assert bench.cut_at_eos([2], {2, 3}) == []
+    assert cut_at_eos([5, 6, 2, 7], {2}) == [5, 6]
+    assert cut_at_eos([5, 6], {2}) == [5, 6]
+    assert cut_at_eos([2], {2, 3}) == []
 
 
 class TinyTok:
@@ -167,8 +169,8 @@ def test_hf_assisted_methods_match_plain_greedy(method):
     model = LlamaForCausalLM(cfg).eval()
     args = argparse.Namespace(max_new_tokens=12, temperature=0.0, draft_model=None)
     prompt = [1, 2, 3, 4, 5, 6] * 3 + [1, 2]  # ends in an n-gram seen before: prompt lookup must propose
-    plain = bench.hf_runner("hf", model, TinyTok(), args)(prompt, 0)
-    out = bench.hf_runner(method, model, TinyTok(), args)(prompt, 0)
+    plain = hf.hf_runner("hf", model, TinyTok(), args)(prompt, 0)
+    out = hf.hf_runner(method, model, TinyTok(), args)(prompt, 0)
     assert len(plain.token_ids) == 12 and out.token_ids == plain.token_ids
     assert plain.rounds is None and plain.acceptance_rate is None
     assert out.rounds >= 1 and 1.0 <= out.mean_accepted_tokens and out.acceptance_rate is not None
@@ -190,7 +192,7 @@ def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
     fake.write_text(FAKE_LLAMA)
     fake.chmod(0o755)
     monkeypatch.setenv("SWIFTDECODE_LLAMA_CPP", str(fake.parent))
-    from swiftdecode.models import resolve_cache_dir
+    from swiftdecode.hub import resolve_cache_dir
 
     monkeypatch.setenv("SWIFTDECODE_CACHE", str(resolve_cache_dir()))  # the models stay where they are
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/llama-cpp-peer
@@ -208,17 +210,15 @@ def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
 
 
 def test_warm_up_never_sees_a_timed_prompt():
-    from swiftdecode.data import Prompt
-
     seen = []
 
     def runner(ids, seed):
         seen.append((tuple(ids), seed))
-        return bench.Outcome([1, 2], 0.1)
+        return Outcome([1, 2], 0.1)
 
     prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b")]
     args = argparse.Namespace(warmup=2, seed=0)
-    records = bench.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
+    records = stream.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
     assert seen[:2] == [((9,), -1), ((8,), -2)] and [r["prompt_id"] for r in records] == ["1", "2"]
 
 

@@ -275,8 +275,9 @@ def test_first_request_thresholds_come_from_the_prompt(smollm_fp32):
     gen.generate(ids, max_new_tokens=1)
     roles = [m for m in model.modules() if getattr(m, "role", "")]
     after = [m.thresholds.clone() for m in roles]
-    with fastpath.calibrate():
-        SwiftModel(model).prefill(ids)
+    sm = SwiftModel(model)
+    with sm.calibrating():
+        sm.prefill(ids)
     assert all(torch.equal(a, m.thresholds) for a, m in zip(after, roles, strict=True))
 
 
@@ -293,9 +294,9 @@ def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
         steps.append(len(ctx))
         time.sleep(0.004)
 
-    monkeypatch.setattr(gen, "_search_step", step)
+    monkeypatch.setattr(gen.tuner, "step", step)
     for prompt in ("Count from one to thirty in words.", "List twenty animals.", "Write a short poem about rain."):
-        gen.decode_s = 100.0  # long earlier traffic: the running budget alone would allow a burst here
+        gen.schedule.decode_s = 100.0  # long earlier traffic: the running budget alone would allow a burst here
         res = gen.generate(prompt, max_new_tokens=128, chat=True)
         split = res.stats.time_split
         assert split["optimize"] <= 1.05 * gen.search.cfg.max_overhead * (split["draft"] + split["verify"])

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swiftdecode import fastpath
 from swiftdecode.errors import UserError
-from swiftdecode.fastpath import FastLinear, KernelUnavailable, accelerate, load_kernel
+from swiftdecode.fastpath import FastLinear, accelerate
+from swiftdecode.kernels import fp32
+from swiftdecode.kernels.fp32 import KernelUnavailable, load_kernel
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def kernel():
         pytest.skip(f"kernel unavailable here: {e}")
 
 
-@pytest.fixture(scope="module", params=sorted(fastpath.ISA_FLAGS))
+@pytest.fixture(scope="module", params=sorted(fp32.ISA_FLAGS))
 def any_kernel(request):
     """Every kernel variant this CPU can run (AVX-512 and AVX2 on this machine)."""
     try:
@@ -196,8 +197,8 @@ def test_fallbacks_and_errors(monkeypatch):
     def no_compiler(isa, out_dir=None):
         raise KernelUnavailable("no C++ compiler (g++) on PATH")
 
-    monkeypatch.setattr(fastpath, "_KERNELS", {})
-    monkeypatch.setattr(fastpath, "build_kernel", no_compiler)
+    monkeypatch.setattr(fp32, "_KERNELS", {})
+    monkeypatch.setattr(fp32, "build_kernel", no_compiler)
     model = tiny_model()
     info = accelerate(model, "auto")
     assert info.path == "torch" and "compiler" in info.reason
@@ -205,10 +206,10 @@ def test_fallbacks_and_errors(monkeypatch):
 
 
 def test_builds_in_a_clean_directory(kernel, tmp_path):
-    lib = fastpath.build_kernel(kernel.isa, tmp_path)
+    lib = fp32.build_kernel(kernel.isa, tmp_path)
     assert lib.parent == tmp_path and lib.exists()
-    assert fastpath.build_kernel(kernel.isa, tmp_path) == lib  # cached: same key, no rebuild
-    fresh = fastpath.Kernel(kernel.isa, lib)
+    assert fp32.build_kernel(kernel.isa, tmp_path) == lib  # cached: same key, no rebuild
+    fresh = fp32.Kernel(kernel.isa, lib)
     x, w = torch.randn(3, 50), torch.randn(7, 50)
     assert torch.equal(fresh.linear(x, w, None), kernel.linear(x, w, None))
 

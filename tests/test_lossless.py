@@ -137,3 +137,29 @@ def test_fp32_kernel_path_lossless(smollm_fp32, spec_bench):
     gen = Generator(model, tok, method="swift")
     mismatches, rounds = compare(model, gen, pick_prompts(spec_bench, 1, ["writing", "summarization", "qa"]), 48)
     assert not mismatches and rounds > 0, mismatches
+
+
+def test_two_models_in_one_process_keep_their_own_paths(smollm, spec_bench):
+    """A float model on torch loaded beside a quantized one on the kernel path (and used between its requests):
+    each keeps its own path and state. The kernel model stays lossless and sparse-drafts nothing it should not;
+    the torch model's outputs do not depend on the other model (its flips against `ar` are counted)."""
+    import swiftdecode
+    from swiftdecode.fastpath import FastLinear, info_of
+
+    quant, tok = smollm
+    floats, _ = swiftdecode.load("smollm2-135m", weights="fp32", fast_path="torch", progress=False)
+    assert info_of(floats).kernel is None and info_of(quant).kernel is not None
+    assert not any(isinstance(m, FastLinear) for m in floats.modules())
+    assert floats.config._attn_implementation == "sdpa"
+    prompts = pick_prompts(spec_bench, 1, ["writing", "math_reasoning"])
+    on_torch = Generator(floats, tok, method="swift")
+    before = [on_torch.generate(encode(on_torch, p), max_new_tokens=32).token_ids for p in prompts]
+    mismatches, rounds = compare(quant, Generator(quant, tok, method="swift"), prompts, 48)
+    assert not mismatches and rounds > 0, mismatches
+    after = [
+        Generator(floats, tok, method="swift").generate(encode(on_torch, p), max_new_tokens=32).token_ids
+        for p in prompts
+    ]
+    assert after == before
+    flips, _ = compare(floats, Generator(floats, tok, method="swift"), prompts, 32)
+    print(f"torch model beside a kernel model: {len(flips)} of {len(prompts)} outputs differ from its ar")

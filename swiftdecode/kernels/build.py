@@ -52,13 +52,16 @@ def pick_isa(table: dict[str, set[str]], isa: str | None = None) -> str:
 
 
 def kernel_dir() -> Path:
-    from swiftdecode.models import resolve_cache_dir
+    from swiftdecode.hub.entries import resolve_cache_dir
 
     return resolve_cache_dir() / "kernels"
 
 
-def build(source: Path, name: str, flags: list[str], out_dir: Path | None = None) -> Path:
-    """Compile `source` with `flags` into `<out_dir>/<name>_<key>.so` (cached); KernelUnavailable on failure."""
+def build(sources: Path | list[Path], name: str, flags: list[str], out_dir: Path | None = None) -> Path:
+    """Compile `sources` (one library) with `flags` into `<out_dir>/<name>_<key>.so`, cached by the sources, the
+    headers beside them, the flags and the compiler; KernelUnavailable on failure."""
+    sources = [sources] if isinstance(sources, Path) else list(sources)
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH")
@@ -67,7 +70,8 @@ def build(source: Path, name: str, flags: list[str], out_dir: Path | None = None
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    text = b"".join(f.read_bytes() for f in (*sources, *headers))
+    key = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out_dir = out_dir or kernel_dir()
     lib = out_dir / f"{name}_{key}.so"
     if lib.exists():
@@ -77,7 +81,7 @@ def build(source: Path, name: str, flags: list[str], out_dir: Path | None = None
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        r = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cxx, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise KernelUnavailable(f"kernel build failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
         os.replace(tmp, lib)

@@ -1,4 +1,5 @@
-"""ctypes binding of csrc/qgemm.cpp: products with block-quantized weights, and their rows as floats.
+"""ctypes binding of csrc/qgemm.cpp: products with block-quantized weights, and their rows as floats (the same
+library holds csrc/decoder.cpp's layer loop, bound in kernels/decoder.py).
 
 One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + VNNI) or `avx2` (AVX2 + FMA +
 F16C). Both return bit-identical results (integer dot products, one fixed float sequence per output; see the
@@ -15,7 +16,7 @@ import torch
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
-SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "decoder.cpp")]
 ISA_FLAGS = {
     "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -33,6 +34,11 @@ class _Desc(ctypes.Structure):
     """csrc QWDesc: a weight's format, shape and plane pointers."""
 
     _fields_ = [("fmt", _I), ("n", _I), ("k", _I), *((p, _P) for p in ("lo", "hi", "d", "d2", "sc", "mn"))]
+
+
+def desc_address(w: QuantWeight) -> int:
+    """Address of the weight's descriptor (valid while the weight lives)."""
+    return ctypes.addressof(_desc(w))
 
 
 def _desc(w: QuantWeight) -> _Desc:
@@ -54,7 +60,7 @@ class Plan:
         self.ws, self.bias_tensors = list(ws), list(biases)
         self.k, self.ns = ws[0].k, [w.n for w in ws]
         n = len(ws)
-        self.descs = (ctypes.c_void_p * n)(*(ctypes.addressof(_desc(w)) for w in ws))
+        self.descs = (ctypes.c_void_p * n)(*(desc_address(w) for w in ws))
         self.biases = (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases))
         self.outs = (ctypes.c_void_p * n)()  # filled per call
 
@@ -64,10 +70,10 @@ class QKernel:
 
     def __init__(self, isa: str, lib: Path):
         self.isa = isa
-        self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
-        self._linear = getattr(self._lib, f"sd_qlinear_{isa}")
+        self.lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
+        self._linear = getattr(self.lib, f"sd_qlinear_{isa}")
         self._linear.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int]
-        self._deq = getattr(self._lib, f"sd_dequant_rows_{isa}")
+        self._deq = getattr(self.lib, f"sd_dequant_rows_{isa}")
         self._deq.argtypes = [ctypes.POINTER(_Desc), _P, _I, _P]
         for f in (self._linear, self._deq):
             f.restype = None
@@ -112,7 +118,7 @@ def load_qkernel(isa: str | None = None) -> QKernel:
     isa = pick_isa(ISA_CPU_FLAGS, isa)
     if isa not in _KERNELS:
         try:
-            _KERNELS[isa] = QKernel(isa, build(SOURCE, f"qgemm_{isa}", ISA_FLAGS[isa]))
+            _KERNELS[isa] = QKernel(isa, build(SOURCES, f"qgemm_{isa}", ISA_FLAGS[isa]))
         except OSError as e:
             raise KernelUnavailable(f"qgemm load failed: {e}") from e
     return _KERNELS[isa]

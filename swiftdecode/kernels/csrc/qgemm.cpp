@@ -30,6 +30,8 @@
 
 #include <memory>
 
+#include "qgemm.h"
+
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
 #define LANES 16  // rows per tile
 #define LOAD 64   // bytes per plane load: 16 lanes x 4 codes
@@ -340,18 +342,6 @@ static void quantize_rows(const float* x, int8_t* q, float* d, int32_t* s, int64
     }
   }
 }
-
-struct QWDesc {  // one weight's planes, bound once from Python (kernels/qgemm.py: _Desc)
-  int64_t fmt, N, K;
-  const uint8_t* lo;
-  const uint8_t* hi;
-  const uint16_t* d;
-  const uint16_t* d2;
-  const uint8_t* sc;
-  const uint8_t* mn;
-};
-
-#define MAX_WEIGHTS 8  // weights sharing one input per call (q/k/v, gate/up)
 
 // ys[i] [M, N_i] = x [M, K] W_i^T (+ biases[i]) for nw weights of the same K: x is quantized once (scratch owned
 // here), then one parallel pass runs over the row tiles of all weights, so small projections (k/v) share a

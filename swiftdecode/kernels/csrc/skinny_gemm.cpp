@@ -42,6 +42,12 @@ static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vpow2_mul(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vsel_ge0(vf x, vf a, vf b) {  // lanes with x >= 0 take a, the others b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
+static inline void vstore_tail(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a); }
 #define SD_ISA avx512
 #else
 typedef __m256 vf;
@@ -72,6 +78,16 @@ static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_
 static inline vf vpow2_mul(vf y, vf n) {  // y * 2^n for integral n in [-126, 127]
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vsel_ge0(vf x, vf a, vf b) {  // lanes with x >= 0 take a, the others b
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+static inline void vstore_tail(float* p, vf a, int n) {
+  float t[VW];
+  _mm256_storeu_ps(t, a);
+  for (int i = 0; i < n; ++i) p[i] = t[i];
 }
 #define SD_ISA avx2
 #endif
@@ -496,6 +512,22 @@ extern "C" void SD_EXPORT(sd_rmsnorm, SD_ISA)(const float* x, const float* w, fl
     const float r = 1.0f / sqrtf(sum / (float)H + eps);
     float* yr = y + m * H;
     for (int64_t k = 0; k < H; ++k) yr[k] = w[k] * (xr[k] * r);
+  }
+}
+
+// g <- silu(g) * u = g * sigmoid(g) * u over n values, lane by lane: with e = exp(-|g|) (vexp), sigmoid(g) is
+// 1 / (1 + e) for g >= 0 and e / (1 + e) below, so exp never overflows. Each value depends on its own inputs
+// only, and both ISA builds run the same float operations per lane.
+extern "C" void SD_EXPORT(sd_silu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
+  const int64_t chunks = (n + VW - 1) / VW;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 16))
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i = c * VW;
+    const int w = n - i < VW ? (int)(n - i) : VW;
+    const vf x = vload_tail(g + i, w), y = vload_tail(u + i, w), one = vset1(1.0f);
+    const vf e = vexp(vmul(vabs(x), vset1(-1.0f)));
+    const vf sig = vdiv(vsel_ge0(x, one, e), vadd(one, e));
+    vstore_tail(g + i, vmul(vmul(x, sig), y), w);
   }
 }
 

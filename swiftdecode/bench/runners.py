@@ -1,0 +1,126 @@
+"""The benchmarked model and prompts, and one Runner per method: our engine, HF (see `hf`), llama.cpp peers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from swiftdecode.bench.hf import hf_runner
+from swiftdecode.bench.methods import (
+    ENGINE_METHODS,
+    PEER_METHODS,
+    Outcome,
+    Runner,
+    cut_at_eos,
+    peak_rss_mb,
+    reset_peak_rss,
+)
+from swiftdecode.errors import UserError
+from swiftdecode.text import eos_ids
+
+
+def load_target(args: argparse.Namespace):
+    """(model, tokenizer, fast-path info as a dict) of the benchmarked model, on the fast path."""
+    import swiftdecode
+
+    model, tok = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights)
+    return model, tok, {"path": model.fast_path.path, "reason": model.fast_path.reason}
+
+
+class PathSwitch:
+    """Puts the model on the fast path for our engine and on stock torch for the HF methods (unless
+    --hf-fast-path); switching re-patches the linear layers and re-lays out the MLP weights in place (well
+    under a second, outside the timed generations)."""
+
+    def __init__(self, model, path: str, args: argparse.Namespace):
+        self.model, self.current = model, args.fast_path
+        self.engine = args.fast_path if path != "torch" else "torch"
+        self.hf = self.engine if args.hf_fast_path else "torch"
+
+    def __call__(self, hf: bool) -> None:
+        from swiftdecode.fastpath import accelerate
+
+        mode = self.hf if hf else self.engine
+        if mode != self.current:
+            accelerate(self.model, mode)
+            self.current = mode
+
+
+def use_chat(tok, chat: bool | None) -> bool:
+    """--chat/--no-chat, default: whether the tokenizer has a chat template."""
+    has = bool(getattr(tok, "chat_template", None))
+    if chat and not has:
+        raise UserError("--chat: this tokenizer has no chat template")
+    return has if chat is None else chat
+
+
+def encode(tok, text: str, chat: bool) -> list[int]:
+    """Prompt ids, shared by all methods: a user turn in the chat template, or the plain text."""
+    if not chat:
+        return tok(text).input_ids
+    text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespace) -> dict[str, Runner]:
+    """Runners of the llama.cpp methods asked for whose binaries exist; says on stderr why any is left out."""
+    import torch
+
+    from swiftdecode import peers
+    from swiftdecode.hub import locate_gguf
+
+    wanted = [m for m in methods if m in PEER_METHODS]
+    if not wanted:
+        return {}
+    files = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
+    if files is None:
+        print(f"swiftdecode: skipping {', '.join(wanted)}: the model has no GGUF file", file=sys.stderr)
+        return {}
+    threads, out = args.threads or torch.get_num_threads(), {}
+    for m in wanted:
+        binary = peers.find_binary(m)
+        if binary is None:
+            print(f"swiftdecode: skipping {m}: {peers.HOW_TO}", file=sys.stderr)
+            continue
+
+        def call(ids: list[int], seed: int, m=m, binary=binary) -> Outcome:
+            prompt = tok.decode(ids)
+            text, seconds = peers.run_peer(m, binary, files[0], prompt, args.max_new_tokens, threads)
+            new = tok(text, add_special_tokens=False).input_ids[: args.max_new_tokens]
+            return Outcome(cut_at_eos(new, eos), seconds)
+
+        out[m] = call
+    return out
+
+
+def make_runner(method: str, model, tok, args: argparse.Namespace, switch: PathSwitch) -> Runner:
+    run = engine_runner(method, model, tok, args) if method in ENGINE_METHODS else hf_runner(method, model, tok, args)
+    hf = method not in ENGINE_METHODS
+
+    def call(ids: list[int], seed: int) -> Outcome:
+        switch(hf)
+        return run(ids, seed)
+
+    return call
+
+
+def engine_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
+    """One Generator for the whole run, so search state carries across prompts as in a server."""
+    from swiftdecode.engine import Generator
+
+    gen, eos = Generator(model, tok, method=method), eos_ids(model, tok)
+
+    def call(ids: list[int], seed: int) -> Outcome:
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed)
+        wall = time.perf_counter() - t0
+        st = res.stats.to_dict()
+        rounds = st["tree_rounds"] or None  # ar: no tree rounds, no acceptance
+        acc = (st["mean_accepted_tokens"], st["acceptance_rate"]) if rounds else (None, None)
+        opt = st["time_split"]["optimize"]
+        sources = {k: st[k] for k in ("round_kinds", "round_seconds", "accepted_by_source")}
+        return Outcome(cut_at_eos(list(res.token_ids), eos), wall, rounds, *acc, opt, peak_rss_mb(), **sources)
+
+    return call

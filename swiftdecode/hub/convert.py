@@ -1,0 +1,132 @@
+"""GGUF files -> cache entries: the GGUF's config and tokenizer (the quantized path), or a float32 safetensors
+folder dequantised once by transformers (`--weights fp32`); user GGUF files are checked and keyed by path."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from swiftdecode.errors import UserError
+from swiftdecode.hub.entries import check_space, entry_ok, locked, resolve_cache_dir, write_entry
+
+GGUF_FILE = "model.gguf"  # the model's GGUF inside a quantized-path cache entry
+
+
+def read_meta(gguf: Path, progress: bool):
+    """(tokenizer, config) of a GGUF file, read by transformers without touching its tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        with quiet(not progress):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # e.g. an architecture transformers cannot read from GGUF
+        msg = (str(e).splitlines() or [""])[0][:200]
+        raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
+    if tokenizer.chat_template is None:  # transformers drops some templates; take it from the GGUF if present
+        tokenizer.chat_template = _gguf_field(gguf, "tokenizer.chat_template")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return tokenizer, config
+
+
+def fp32_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:
+    """Dequantise `gguf` to a float32 safetensors HF folder at `entry` (`--weights fp32`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _ = read_meta(gguf, progress)
+    try:
+        with quiet(not progress):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        msg = (str(e).splitlines() or [""])[0][:200]
+        raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    write_entry(entry, source_sha256, gguf, fill)
+
+
+def meta_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool, copy: bool) -> None:
+    """Cache entry for the quantized path: config and tokenizer read from `gguf`, plus the GGUF itself as
+    `model.gguf` when `copy` (registry models, whose parts are assembled), else a reference to it."""
+    tokenizer, config = read_meta(gguf, progress)
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if copy:  # an assembled GGUF (in the build folder) is moved; an installed single part is copied
+            (shutil.move if gguf.parent.name.startswith(".build-") else shutil.copyfile)(gguf, tmp / GGUF_FILE)
+
+    write_entry(entry, source_sha256, gguf, fill)
+
+
+@contextmanager
+def quiet(enabled: bool):
+    """Hide transformers' progress bars when `enabled`."""
+    from transformers.utils import logging
+
+    if not enabled:
+        yield
+        return
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.enable_progress_bar()
+
+
+def _gguf_field(gguf: Path, key: str) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get(key)
+    return None if field is None else field.contents()
+
+
+def check_gguf(path: Path) -> None:
+    """UserError unless `path` is a complete GGUF file (header parses, all tensor data inside the file)."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UserError(f"{path} is not a GGUF file (bad magic)")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        end = max(t.data_offset + t.n_bytes for t in reader.tensors)
+    except Exception as e:  # the reader fails in many ways on truncated files
+        raise UserError(f"{path} is a truncated or corrupt GGUF file ({type(e).__name__})") from None
+    if end > path.stat().st_size:
+        raise UserError(f"{path} is a truncated GGUF file ({path.stat().st_size} of {end} bytes)")
+
+
+def convert_gguf(path: Path, cache_dir=None, progress: bool = True, force: bool = False, weights: str = "fp32") -> Path:
+    """Cache entry of a user GGUF file: "fp32" a converted HF folder, "gguf" its config and tokenizer only
+    (the weights are read from `path` itself). Cache key: the file's resolved path, size, mtime."""
+    path = path.resolve()
+    st = path.stat()
+    source = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    cache = resolve_cache_dir(cache_dir)
+    key = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64] + "-" + source[:12] + ("" if weights == "fp32" else "-meta")
+    entry = cache / "gguf" / key
+    with locked(cache, f"gguf-{key}"):
+        if not force and entry_ok(entry, source):
+            return entry
+        check_gguf(path)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        if weights == "gguf":
+            meta_entry(path, entry, source, progress, copy=False)
+            return entry
+        check_space(cache, 8 * st.st_size + (64 << 20), f"convert {path.name}")
+        print(f"swiftdecode: converting {path} once into {entry}", file=sys.stderr)
+        fp32_entry(path, entry, source, progress)
+    return entry

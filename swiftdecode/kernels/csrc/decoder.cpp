@@ -1,0 +1,126 @@
+// A Llama-family decoder's layers (pre-norm RMSNorm, rotary, grouped-query attention, SiLU-gated MLP) in one
+// native call over block-quantized weights, for one or more sequences each on its own KV cache.
+//
+// Why: at 1-8 rows a small model's layer spends ~0.4 ms in its seven projections, and driving the dozen kernel
+// calls around them from Python costs about as much again. This loop calls the same kernels, in the same order
+// and on the same buffers' values, as the Python forward in swiftdecode/lean.py: the products here, the fp32
+// operations (RMSNorm, rotary, attention, SiLU) through pointers to the one fp32 kernel library the process
+// uses, so both forwards return the same bits and only the interpreter is gone.
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "qgemm.h"
+
+enum { SKIP_ATTN = 1, SKIP_MLP = 2 };                    // per-layer skip flags (the draft's skip set)
+enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, N_W };  // a layer's projections
+
+struct DecConfig {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  float eps, scale;
+};
+
+struct DecLayer {
+  const QWDesc* w[N_W];
+  const float* b[N_W];  // biases or null
+  const float* norm_attn;
+  const float* norm_mlp;
+};
+
+struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound from Python
+  void (*rmsnorm)(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps, int nthreads);
+  void (*rope)(float* x, const float* cos_, const float* sin_, int64_t q, int64_t heads, int64_t D);
+  void (*attention_many)(const float* q, const float* const* ks, const float* const* vs, const float* const* masks,
+                         const int64_t* dims, float* out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
+                         float scale, float* scratch, int64_t max_t, int nthreads);
+  void (*silu_mul)(float* g, const float* u, int64_t n, int nthreads);
+};
+
+struct DecSeq {  // a sequence's rows [row0, row0 + rows) and its additive mask [rows, >= keys] (row stride)
+  int64_t rows, row0;
+  const float* mask;
+  int64_t mask_stride;
+};
+
+struct DecKV {  // a (sequence, layer) cache buffer: keys/values [kv_heads, capacity, D], `length` filled
+  float* k;
+  float* v;
+  int64_t head_stride, length;
+};
+
+static void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+static void project(const DecLayer& L, const int* which, int n, const float* in, float* const* out, int64_t R,
+                    int nthreads) {
+  const QWDesc* w[3];
+  const float* b[3];
+  for (int i = 0; i < n; i++) w[i] = L.w[which[i]], b[i] = L.b[which[i]];
+  SD_QNAME(sd_qlinear, SD_QISA)(w, b, out, n, in, R, nthreads);
+}
+
+// Appends each sequence's new keys/values to its cache and runs attention of all rows; q [R, heads * D] in,
+// att [R, heads * D] out. kv: this layer's entries, one per sequence (stride n_layers).
+static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, const DecKV* kv,
+                   int64_t n_layers, const float* q, const float* k, const float* v, float* att, float* scratch,
+                   int nthreads) {
+  const int64_t D = c.head_dim, KD = c.kv_heads * D;
+  std::vector<const float*> ks(nseq), vs(nseq), masks(nseq);
+  std::vector<int64_t> dims(5 * nseq);
+  int64_t max_t = 0;
+  for (int64_t j = 0; j < nseq; j++) {
+    const DecKV& e = kv[j * n_layers];
+    const DecSeq& s = seqs[j];
+    for (int64_t r = 0; r < s.rows; r++)
+      for (int64_t g = 0; g < c.kv_heads; g++) {
+        const int64_t src = (s.row0 + r) * KD + g * D, dst = g * e.head_stride + (e.length + r) * D;
+        memcpy(e.k + dst, k + src, D * sizeof(float));
+        memcpy(e.v + dst, v + src, D * sizeof(float));
+      }
+    ks[j] = e.k, vs[j] = e.v, masks[j] = s.mask;
+    const int64_t t = e.length + s.rows;
+    int64_t* d = dims.data() + 5 * j;
+    d[0] = s.rows, d[1] = t, d[2] = e.head_stride, d[3] = s.mask_stride, d[4] = s.row0;
+    max_t = std::max(max_t, t);
+  }
+  ops.attention_many(q, ks.data(), vs.data(), masks.data(), dims.data(), att, nseq, c.heads, c.kv_heads, D, c.scale,
+                     scratch, max_t, nthreads);
+}
+
+// x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, head_dim];
+// skip [n_layers] flags; kv [nseq * n_layers] (sequence-major); scratch: attention's, for the longest cache.
+// Skipped sublayers neither run nor touch their cache; the caller advances the lengths of those that ran.
+extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer* layers, int64_t n_layers,
+                                              const uint8_t* skip, const DecOps* ops, float* x, int64_t R,
+                                              const float* cos_, const float* sin_, const DecSeq* seqs, int64_t nseq,
+                                              const DecKV* kv, float* scratch, int nthreads) {
+  const int64_t H = c->hidden, QD = c->heads * c->head_dim, KD = c->kv_heads * c->head_dim, I = c->inter;
+  std::vector<float> h(R * H), q(R * QD), k(R * KD), v(R * KD), att(R * QD), o(R * H), g(R * I), u(R * I);
+  static const int QKV[3] = {W_Q, W_K, W_V}, O[1] = {W_O}, GATE_UP[2] = {W_GATE, W_UP}, DOWN[1] = {W_DOWN};
+  for (int64_t l = 0; l < n_layers; l++) {
+    const DecLayer& L = layers[l];
+    if (!(skip[l] & SKIP_ATTN)) {
+      ops->rmsnorm(x, L.norm_attn, h.data(), R, H, c->eps, nthreads);
+      float* qkv[3] = {q.data(), k.data(), v.data()};
+      project(L, QKV, 3, h.data(), qkv, R, nthreads);
+      ops->rope(q.data(), cos_, sin_, R, c->heads, c->head_dim);
+      ops->rope(k.data(), cos_, sin_, R, c->kv_heads, c->head_dim);
+      attend(*c, *ops, seqs, nseq, kv + l, n_layers, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
+      float* out[1] = {o.data()};
+      project(L, O, 1, att.data(), out, R, nthreads);
+      add_into(x, o.data(), R * H);
+    }
+    if (!(skip[l] & SKIP_MLP)) {
+      ops->rmsnorm(x, L.norm_mlp, h.data(), R, H, c->eps, nthreads);
+      float* gu[2] = {g.data(), u.data()};
+      project(L, GATE_UP, 2, h.data(), gu, R, nthreads);
+      ops->silu_mul(g.data(), u.data(), R * I, nthreads);
+      float* out[1] = {o.data()};
+      project(L, DOWN, 1, g.data(), out, R, nthreads);
+      add_into(x, o.data(), R * H);
+    }
+  }
+}

@@ -1,0 +1,90 @@
+"""ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers in one native call over quantized weights.
+
+The layer table (weight descriptors, biases, norm weights) is bound once; a call passes the rows, the rotary
+tables, each sequence's mask and each (sequence, layer) cache buffer. The loop runs the same kernels in the same
+order as the Python forward (swiftdecode/lean.py), so the two return the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from swiftdecode.kernels.qgemm import QKernel, desc_address
+from swiftdecode.kernels.qweight import QuantWeight
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+N_WEIGHTS = 7  # q, k, v, o, gate, up, down (csrc: W_Q .. W_DOWN)
+SKIP_ATTN, SKIP_MLP = 1, 2  # csrc per-layer skip flags
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [*((n, _I) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")), ("eps", _F), ("scale", _F)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("w", _P * N_WEIGHTS), ("b", _P * N_WEIGHTS), ("norm_attn", _P), ("norm_mlp", _P)]
+
+
+class _Ops(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("rmsnorm", "rope", "attention_many", "silu_mul")]
+
+
+class _Seq(ctypes.Structure):
+    _fields_ = [("rows", _I), ("row0", _I), ("mask", _P), ("mask_stride", _I)]
+
+
+class _KV(ctypes.Structure):
+    _fields_ = [("k", _P), ("v", _P), ("head_stride", _I), ("length", _I)]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's quantized projections (q, k, v, o, gate, up, down), their biases and its two norm weights."""
+
+    weights: tuple[QuantWeight, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    norm_attn: torch.Tensor
+    norm_mlp: torch.Tensor
+
+
+class FusedDecoder:
+    """The layer loop of one model, bound to its weights (kept alive here, so the pointers stay valid)."""
+
+    def __init__(self, qkernel: QKernel, layers: list[LayerWeights], dims: dict, ops: dict[str, int]):
+        """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats); ops: the fp32 kernel
+        library's entry points (kernels/fp32.py: Kernel.addresses)."""
+        self.layers, self.n_layers = layers, len(layers)
+        self.config = _Config(**dims)
+        self.ops = _Ops(**ops)
+        ptr = lambda t: None if t is None else t.data_ptr()
+        self.table = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    (_P * N_WEIGHTS)(*(desc_address(w) for w in lw.weights)),
+                    (_P * N_WEIGHTS)(*(ptr(b) for b in lw.biases)),
+                    lw.norm_attn.data_ptr(),
+                    lw.norm_mlp.data_ptr(),
+                )
+                for lw in layers
+            )
+        )
+        self._fn = getattr(qkernel.lib, f"sd_decoder_{qkernel.isa}")
+        self._fn.argtypes = [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
+        self._fn.restype = None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: bytes, seqs: list, kv: list,
+            scratch: torch.Tensor) -> None:  # fmt: skip
+        """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, head_dim]; skip: a flag
+        byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; kv: (keys, values,
+        head stride, length) per (sequence, layer), sequence-major, each buffer [kv_heads, capacity, head_dim]
+        with room for the sequence's rows where the layer's attention runs; scratch: the attention's."""
+        seq_arr = (_Seq * len(seqs))(*(_Seq(rows, row0, m.data_ptr(), m.stride(0)) for rows, row0, m in seqs))
+        kv_arr = (_KV * len(kv))(*(_KV(*e) for e in kv))
+        self._fn(
+            ctypes.byref(self.config), self.table, self.n_layers, skip, ctypes.byref(self.ops), x.data_ptr(),
+            x.shape[0], cos.data_ptr(), sin.data_ptr(), seq_arr, len(seqs), kv_arr, scratch.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip

@@ -1,0 +1,183 @@
+"""ctypes binding of csrc/skinny_gemm.cpp: the batch-invariant fp32 kernels (skinny GEMM, attention, RMSNorm,
+rotary, SiLU) for AVX-512 or AVX2, chosen by CPU features at run time.
+
+Why hand-written: torch's bundled MKL takes a slow path for products with 2..32 rows on some CPUs (AMD), so
+verifying k draft tokens cost 2-3x one token; and no library promises that row i of an M-row product is
+bit-identical to the 1-row product, which is what keeps verification lossless. Every kernel here accumulates
+in an order that depends only on the row's own inputs (see the source). The library is built with g++ on first
+use (~1 s) and cached under <cache>/kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
+
+SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+ATTN_HEADS = 4  # HB in csrc: query heads per attention work item; scratch is (HB + 1) * T floats per thread
+
+
+def build_kernel(isa: str, out_dir: Path | None = None) -> Path:
+    """Compile csrc/skinny_gemm.cpp for `isa` into a cached shared library (keyed by source, flags, compiler)."""
+    return build(SOURCE, f"skinny_gemm_{isa}", ISA_FLAGS[isa], out_dir)
+
+
+class Kernel:
+    """ctypes binding of sd_linear_<isa>(x, w, b, y, M, N, K, nthreads) for contiguous fp32 tensors."""
+
+    def __init__(self, isa: str, lib: Path):
+        self.isa = isa
+        self.max_head_dim = 4096  # attention keeps per-key scores in scratch, not the head dim in registers
+        self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
+        self._fn = getattr(self._lib, f"sd_linear_{isa}")
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._fn.restype = None
+        self._fn_t = getattr(self._lib, f"sd_linear_t_{isa}")
+        self._fn_t.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2
+        self._fn_t.argtypes += [ctypes.c_int]
+        self._fn_t.restype = None
+        self._attn = getattr(self._lib, f"sd_attention_{isa}")
+        self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+        self._attn.restype = None
+        self._attn_many = getattr(self._lib, f"sd_attention_many_{isa}")
+        self._attn_many.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p]
+        self._attn_many.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self._attn_many.restype = None
+        self._norm = getattr(self._lib, f"sd_rmsnorm_{isa}")
+        self._norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        self._norm.restype = None
+        self._rope = getattr(self._lib, f"sd_rope_{isa}")
+        self._rope.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self._rope.restype = None
+        self._silu_mul = getattr(self._lib, f"sd_silu_mul_{isa}")
+        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+        self._silu_mul.restype = None
+        # entry points for native callers (kernels/decoder.py), so the process runs one fp32 implementation
+        self.addresses = {
+            name: ctypes.cast(fn, ctypes.c_void_p).value
+            for name, fn in (
+                ("rmsnorm", self._norm), ("rope", self._rope), ("attention_many", self._attn_many),
+                ("silu_mul", self._silu_mul),
+            )
+        }  # fmt: skip
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [q, heads, D] (contiguous, in place) by cos/sin [q, D] as HF's rotate_half does; returns x."""
+        q, heads, d = x.shape
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), q, heads, d)
+        return x
+
+    def attention_scratch(self, max_keys: int) -> torch.Tensor:
+        """Scratch for attention over at most `max_keys` keys at the current thread count."""
+        return torch.empty(torch.get_num_threads() * (ATTN_HEADS + 1) * max_keys, dtype=torch.float32)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate <- silu(gate) * up, in place (both fp32 contiguous, same shape); each value from its own inputs."""
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
+        return gate
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., H] fp32 contiguous, w [H] -> w * x / sqrt(mean(x^2) + eps), row-local in a fixed order."""
+        y = torch.empty_like(x)
+        h = x.shape[-1]
+        self._norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // h, h, eps, torch.get_num_threads())
+        return y
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """q [H, M, D], k/v [Hkv, T, D] (last dim contiguous), mask [M, T] additive or None (causal, keys
+        aligned at the end) -> [M, H, D]. Every sum runs over the visible keys in key order (see csrc)."""
+        (h, m, d), (hkv, t, _) = q.shape, k.shape
+        out = torch.empty((m, h, d), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        scratch = self.attention_scratch(t)
+        mask_args = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
+        self._attn(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), *mask_args, out.data_ptr(),
+            h, hkv, m, t, d, scale, scratch.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def attention_many(
+        self, q: torch.Tensor, ks: list, vs: list, masks: list, sizes: list[int], scale: float
+    ) -> torch.Tensor:
+        """Attention of several sequences in one call: q [R, H, D] contiguous, sequence j owning the next
+        sizes[j] rows, over its own keys/values ks[j]/vs[j] [Hkv, T_j, D] (key stride D, equal head strides)
+        under masks[j] [sizes[j], ≥ T_j] additive -> [R, H, D], each sequence's rows exactly as `attention`."""
+        (_, h, d), hkv, n = q.shape, ks[0].shape[0], len(ks)
+        dims, row = [], 0
+        for k, v, mask, m in zip(ks, vs, masks, sizes, strict=True):
+            if k.stride(1) != d or v.stride(1) != d or v.stride(0) != k.stride(0):
+                raise ValueError("keys and values need key stride D and equal head strides")
+            dims += [m, k.shape[1], k.stride(0), mask.stride(0), row]
+            row += m
+        out = torch.empty_like(q)
+        threads, max_t = torch.get_num_threads(), max(k.shape[1] for k in ks)
+        scratch = self.attention_scratch(max_t)
+        ptrs = lambda ts: (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
+        self._attn_many(
+            q.data_ptr(), ptrs(ks), ptrs(vs), ptrs(masks), (ctypes.c_int64 * len(dims))(*dims), out.data_ptr(),
+            n, h, hkv, d, scale, scratch.data_ptr(), max_t, threads,
+        )  # fmt: skip
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32, w [N, K] contiguous fp32, b [N] or None -> [..., N]; M = x.numel() // K rows."""
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        bias = b.data_ptr() if b is not None else None
+        self._fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+        return y
+
+    def linear_t(self, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, thr: float = 0.0) -> torch.Tensor:
+        """x [..., K] fp32, wt [K, N] contiguous fp32 (the weight transposed), b [N] or None -> [..., N].
+
+        thr > 0: inputs with |x| <= thr count as zero and their weight rows are not read (sparse draft)."""
+        k, n = wt.shape
+        x2 = x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        xs = torch.empty((m, k) if thr > 0 else (0,), dtype=torch.float32)
+        idx = torch.empty(k, dtype=torch.int32)
+        bias = b.data_ptr() if b is not None else None
+        args = (x2.data_ptr(), wt.data_ptr(), bias, y.data_ptr(), m, n, k, thr, xs.data_ptr(), idx.data_ptr())
+        self._fn_t(*args, torch.get_num_threads())
+        return y
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def load_kernel(isa: str | None = None) -> Kernel:
+    """Build (once, cached on disk) and load the kernel, then check it against torch; KernelUnavailable if not."""
+    isa = pick_isa(ISA_CPU_FLAGS, isa)
+    if isa not in _KERNELS:
+        try:
+            kernel = Kernel(isa, build_kernel(isa))
+        except OSError as e:  # dlopen failure
+            raise KernelUnavailable(f"kernel load failed: {e}") from e
+        _self_test(kernel)
+        _KERNELS[isa] = kernel
+    return _KERNELS[isa]
+
+
+def _self_test(kernel: Kernel) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((5, 77), (13, 77), (13,)))
+    with torch.no_grad():
+        got, want = kernel.linear(x, w, b), F.linear(x, w, b)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        raise KernelUnavailable(f"kernel self-test failed (max error {(got - want).abs().max():.2e})")

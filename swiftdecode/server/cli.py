@@ -1,0 +1,102 @@
+"""`swiftdecode serve`: its flags, the listening socket, and the uvicorn run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from swiftdecode.errors import UserError
+from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S
+
+GRACE_S = 5  # on shutdown, in-flight requests get this long before they are cancelled
+MAX_PORT = 65535
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from swiftdecode import METHODS
+    from swiftdecode.pull_cli import add_model_argument
+
+    add_model_argument(parser)
+    parser.add_argument("--method", default="swift", choices=METHODS, help="decoding method (default: swift)")
+    parser.add_argument("--fast-path", default="auto", help="CPU matmul path: auto (default), torch, ...")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests decoded together, one forward per round (default: {DEFAULT_MAX_BATCH})",
+    )
+    parser.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; beyond -> 429")
+    parser.add_argument(
+        "--max-kv-gb",
+        type=float,
+        default=DEFAULT_KV_GB,
+        help="KV cache the running requests may reserve (prompt + max tokens each); a request waits for room, "
+        f"one that can never fit gets 413 (default: {DEFAULT_KV_GB:g})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds a request may take from arrival, queue included; beyond -> 504 (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SWIFTDECODE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $SWIFTDECODE_API_KEY; none = open)",
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The serving limits' ranges, checked before the model is loaded."""
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not args.request_timeout > 0:
+        raise UserError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if not args.max_kv_gb > 0:
+        raise UserError(f"--max-kv-gb must be > 0, got {args.max_kv_gb}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (fails fast, before loading the model, if the address is taken)."""
+    if not 0 <= port <= MAX_PORT:
+        raise UserError(f"--port must be in 0..{MAX_PORT}, got {port}")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import swiftdecode
+    from swiftdecode.server.app import create_app
+
+    check_args(args)
+    sock = listen(args.host, args.port)
+    model, tokenizer = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+    )
+    gen = swiftdecode.Generator(model, tokenizer, method=args.method)
+    app = create_app(
+        gen,
+        args.model,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        timeout_s=args.request_timeout,
+        kv_gb=args.max_kv_gb,
+        api_key=args.api_key,
+    )
+    print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACE_S)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

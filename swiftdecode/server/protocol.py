@@ -1,0 +1,205 @@
+"""The OpenAI wire format: request parsing and validation, ApiError, and the response and stream-chunk shapes.
+
+Pure functions of JSON values (no model, no FastAPI): a bad request raises ApiError(400) naming its `param`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from swiftdecode.params import ParamError, check_params
+
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+MAX_STOP = 4  # as OpenAI
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any temperature >= 0
+UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
+# Known OpenAI parameters we do not implement: accepted only at their neutral values.
+UNSUPPORTED = tuple(
+    "logprobs top_logprobs echo suffix logit_bias presence_penalty frequency_penalty tools functions best_of "
+    "response_format".split()
+)
+NEUTRAL = (None, False, 0, "", [], {})
+NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> OpenAI field, where they differ
+# check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
+QUOTED = {f: f"'{API_NAMES.get(f, f)}'" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
+
+
+class ApiError(Exception):
+    """An HTTP error sent in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- requests
+
+KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v),
+        "a number",
+    ),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def take(body: dict, key: str, kind: str, default: Any = None) -> Any:
+    """body[key] if present and not null, checked to be of `kind` (see KINDS); else default."""
+    value = body.get(key)
+    if value is None:
+        return default
+    ok, desc = KINDS[kind]
+    if not ok(value):
+        raise ApiError(400, f"'{key}' must be {desc}, got {json.dumps(value)[:80]}", key)
+    return value
+
+
+def check(cond: bool, message: str, param: str | None = None) -> None:
+    if not cond:
+        raise ApiError(400, message, param)
+
+
+def parse_body(raw: bytes) -> dict:
+    """Request body -> JSON object, or 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    check(isinstance(body, dict), "request body must be a JSON object")
+    return body
+
+
+def parse_sampling(body: dict, chat: bool) -> dict:
+    """OpenAI sampling fields -> Generator.stream keyword arguments. JSON types and OpenAI's own limits are
+    checked here, the values' rules by `check_params` (the engine's validator)."""
+    for key in UNSUPPORTED:
+        if body.get(key) not in NEUTRAL + NEUTRAL_EXTRA.get(key, ()):
+            raise ApiError(400, f"'{key}' is not supported by this server", key)
+    check(take(body, "n", "int", 1) == 1, "only n=1 is supported", "n")
+    max_tokens = take(body, "max_tokens", "int", UNTIL_EOS if chat else COMPLETION_MAX_TOKENS)
+    if chat:
+        max_tokens = take(body, "max_completion_tokens", "int", max_tokens)
+    temperature = take(body, "temperature", "number", 1.0)
+    check(temperature <= MAX_TEMPERATURE, f"'temperature' must be between 0 and {MAX_TEMPERATURE}", "temperature")
+    top_p, top_k = take(body, "top_p", "number", 1.0), take(body, "top_k", "int", 0)
+    seed = take(body, "seed", "int")
+    check(seed is None or 0 <= seed <= MAX_SEED, f"'seed' must be in [0, {MAX_SEED}]", "seed")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    check(stop is None or isinstance(stop, list), "'stop' must be a string or a list of strings", "stop")
+    check(stop is None or len(stop) <= MAX_STOP, f"'stop' takes at most {MAX_STOP} sequences", "stop")
+    try:
+        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED)
+    except ParamError as e:
+        raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
+    sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
+    return {"max_new_tokens": max_tokens, **sampling}
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """`prompt` of /v1/completions: a string or a list of token ids (or a one-element list of either)."""
+    check("prompt" in body, "missing required field 'prompt'", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    is_ids = isinstance(prompt, list) and all(KINDS["int"][0](t) for t in prompt)
+    check(is_ids, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+    return prompt
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """`messages` of /v1/chat/completions -> [{"role", "content": str}] (text content parts are joined)."""
+    messages = body.get("messages")
+    check(messages is not None, "missing required field 'messages'", "messages")
+    check(isinstance(messages, list) and len(messages) > 0, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        check(isinstance(m, dict), f"{param} must be an object", param)
+        role, content = m.get("role"), m.get("content")
+        check(role in ROLES, f"{param}.role must be one of {sorted(ROLES)}", f"{param}.role")
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+            check(all(isinstance(p, str) for p in parts), f"{param}.content: only text parts are supported", param)
+            content = "".join(parts)
+        check(isinstance(content, str), f"{param}.content must be a string or a list of text parts", param)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+# ---------------------------------------------------------------- responses
+
+
+SSE_DONE = "data: [DONE]\n\n"  # the last line of every stream
+
+
+def response_head(chat: bool, model_id: str) -> dict:
+    """The fields a request's response (or each of its chunks) starts with: a fresh id, object, created, model."""
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_id,
+    }
+
+
+def usage(res: Any) -> dict:
+    """OpenAI's token counts of a GenerationResult."""
+    n = len(res.token_ids)
+    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n}
+
+
+def completion(head: dict, chat: bool, res: Any) -> dict:
+    """The whole (non-streamed) response to a request; `swiftdecode` holds the engine's statistics."""
+    text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
+    choice = {"index": 0, **text, "logprobs": None, "finish_reason": res.finish_reason}
+    return {**head, "choices": [choice], "usage": usage(res), "swiftdecode": res.stats.to_dict()}
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def chunk(head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False) -> str:
+    """A streamed chunk (`head` from chunk_head): a piece of text, or the finish reason (text None)."""
+    if chat:
+        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return sse({**head, "choices": [choice]})
+
+
+def chunk_head(head: dict, chat: bool) -> dict:
+    return {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+
+def held_back(text: str, stop: list[str] | None) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string (it may yet become one)."""
+    return max((k for s in stop or () for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

@@ -1,0 +1,54 @@
+"""The engine's text rules: a prompt's token ids (plain or in the chat template, checked), ids back to text, and
+the ids that end a generation. Stop strings and streaming are `request.Request`'s."""
+
+from __future__ import annotations
+
+from swiftdecode.errors import UserError
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a generation: the generation config's EOS ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(ids if isinstance(ids, list) else [ids])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
+
+
+class Prompts:
+    """One tokenizer's prompt encoding and output decoding, for a model of `vocab_size` tokens and a context of
+    `max_length` tokens."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_length: int):
+        self.tokenizer, self.vocab_size, self.max_length = tokenizer, vocab_size, max_length
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("this model's tokenizer has no chat template")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+        """Token ids of a text prompt (as the user's chat message if `chat`) or of checked ids, leaving room in the
+        context for at least one new token (else UserError)."""
+        ids = self._ids(prompt, chat)
+        if len(ids) >= self.max_length:
+            raise UserError(f"prompt has {len(ids)} tokens; the model's context is {self.max_length} tokens")
+        return ids
+
+    def _ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise UserError("prompt is empty")
+            if chat:
+                return self.chat_ids([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise UserError("prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise UserError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

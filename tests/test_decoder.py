@@ -1,0 +1,90 @@
+"""The native layer loop (csrc/decoder.cpp): the same bits as the Python loop it replaces, and its SiLU kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swiftdecode.cache import SwiftCache
+from swiftdecode.kernels import fp32
+from swiftdecode.kernels.fp32 import KernelUnavailable, load_kernel
+from swiftdecode.model import SwiftModel
+from swiftdecode.skip import SkipSet
+from swiftdecode.tree import attention_mask
+
+
+def _kernels():
+    out = []
+    for isa in sorted(fp32.ISA_FLAGS):
+        try:
+            out.append(load_kernel(isa))
+        except KernelUnavailable:
+            pass
+    return out
+
+
+def test_silu_mul_matches_torch_and_every_isa_build_agrees():
+    kernels = _kernels()
+    if not kernels:
+        pytest.skip("no fp32 kernel here")
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 8, 15, 16, 17, 1536, 70001):  # ragged tails, one vector, the parallel size
+        gate, up = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g)
+        gate[:3] = torch.tensor([-100.0, 100.0, 0.0])[: min(n, 3)]  # exp's clamp, saturation, zero
+        want = F.silu(gate) * up
+        outs = [k.silu_mul(gate.clone(), up) for k in kernels]
+        torch.testing.assert_close(outs[0], want, rtol=2e-6, atol=1e-7)
+        assert all(torch.equal(o, outs[0]) for o in outs), f"ISA builds differ at n={n}"
+
+
+@torch.inference_mode()
+def _forwards(sm: SwiftModel, native: bool) -> tuple[list[torch.Tensor], list[SwiftCache]]:
+    """Prefill, a layer-skipped draft chain, a full step, and two sequences batched in one pass."""
+    sm.observer = None if native else (lambda i, before, after: None)  # an observer keeps the Python loop
+    sm.reset()
+    outs = [sm.prefill(list(range(200, 260)))]
+    n = sm.cache.length
+    skip = SkipSet(attn=frozenset({2, 5}), mlp=frozenset({3, 5}))
+    outs.append(sm.forward([7, 8, 9], torch.arange(n, n + 3), torch.ones(3, 3, dtype=torch.bool).tril_(), skip=skip))
+    outs.append(sm.forward([10], torch.arange(n + 3, n + 4), torch.ones(1, 1, dtype=torch.bool)))
+    other = SwiftCache(sm.n_layers)
+    sm.cache, first = other, sm.cache
+    sm.prefill(list(range(500, 530)))
+    parts = [(c, [11, 12], torch.ones(2, 2, dtype=torch.bool).tril_()) for c in (first, other)]
+    masks = [
+        attention_mask(torch.arange(c.length, c.length + 2), c.length, c.length, a, sm.dtype)[0, 0] for c, _, a in parts
+    ]
+    positions = torch.cat([torch.arange(c.length, c.length + 2) for c, _, _ in parts])
+    ids = torch.tensor([t for _, ids, _ in parts for t in ids])
+    outs.append(sm.lean.forward(ids, positions, masks, [first, other], SkipSet(), sm._lean_kernel(), sm.observer))
+    return outs, [first, other]
+
+
+@pytest.mark.parametrize("name", ["smollm", "qwen"])
+def test_native_layers_return_the_python_loops_bits(request, name):
+    """Hidden states, cache lengths and cache contents of the native loop equal the Python loop's bit for bit
+    (prefill, a skip draft that leaves some layers short, a full step, a two-sequence batch)."""
+    model, _ = request.getfixturevalue(name)
+    sm = SwiftModel(model)
+    kernel = sm._lean_kernel()
+    if kernel is None or sm.lean._native(kernel) is None:
+        pytest.skip("no native layer loop on this path")
+    (got, got_caches), (want, want_caches) = _forwards(sm, True), _forwards(sm, False)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"forward {i}: max diff {(a - b).abs().max()}"
+    for a, b in zip(got_caches, want_caches, strict=True):
+        assert [layer.length for layer in a.layers] == [layer.length for layer in b.layers]
+        assert all(
+            torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+            for x, y in zip(a.layers, b.layers, strict=True)
+        )
+    assert len({layer.length for layer in got_caches[0].layers}) == 2  # the draft's skipped layers stayed short
+
+
+def test_float_projections_keep_the_python_loop(smollm_fp32):
+    sm = SwiftModel(smollm_fp32[0])
+    kernel = sm._lean_kernel()
+    if kernel is None:
+        pytest.skip("fast path unavailable here")
+    assert sm.lean._native(kernel) is None
