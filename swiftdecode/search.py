@@ -109,7 +109,8 @@ class LayerSearch:
         """Track accepted tokens per round after convergence; a clear drop (a new task) restarts the search."""
         if self.searching:
             return
-        self.accept_ema = accepted if self.accept_ema is None else ACCEPT_KEEP * self.accept_ema + (1 - ACCEPT_KEEP) * accepted
+        old = accepted if self.accept_ema is None else self.accept_ema
+        self.accept_ema = ACCEPT_KEEP * old + (1 - ACCEPT_KEEP) * accepted
         if self.accept_level is None or self.accept_ema > self.accept_level:
             self.accept_level = self.accept_ema
         elif self.accept_ema < self.cfg.restart_drop * self.accept_level:
