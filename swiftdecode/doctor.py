@@ -125,6 +125,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
     import torch
 
     from swiftdecode.fastpath import accelerate
+    from swiftdecode.model import SwiftModel
 
     if context < 1 or repeats < 1:
         raise UserError("--context and --repeats must be >= 1")
@@ -133,6 +134,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
     ms = time_forwards(model, paths, context, repeats)
     info = accelerate(model, fast_path)
     nbytes = weight_bytes(model)
+
     per_path = {
         ("torch" if p == "torch" else info.path): {
             "forward_ms": ms[p]["wall"],
@@ -152,6 +154,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "reason": info.reason,
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
+        "layers": SwiftModel(model).layer_loop(),
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],
@@ -159,6 +162,13 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "effective_gbs": used["effective_gbs"][1],
         "paths": per_path,
     }
+
+
+LAYER_LOOPS = {
+    "native": "native loop (every layer in one C call: kernels/csrc/decoder.cpp)",
+    "python": "lean Python loop over the kernel library (some projections are not quantized)",
+    "transformers": "transformers' modules (architecture without a lean forward, or the torch path)",
+}
 
 
 def format_report(d: dict) -> str:
@@ -171,6 +181,7 @@ def format_report(d: dict) -> str:
             if d["path"] == "torch"
             else []
         ),
+        f"layers:     {LAYER_LOOPS[d['layers']]}",
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         "",

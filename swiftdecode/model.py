@@ -89,6 +89,11 @@ class SwiftModel:
         kernel = fastpath.info_of(self.model).kernel
         return kernel if self.lean is not None and not self.layer_types else None
 
+    def layer_loop(self) -> str:
+        """What runs the decoder's layers: "native" (one C call), "python" (the lean loop) or "transformers"."""
+        kernel = self._lean_kernel()
+        return "transformers" if kernel is None else "native" if self.lean._native(kernel) else "python"
+
     def calibrating(self):
         """Context: the forward inside sets the MLPs' activation-sparsity thresholds from its inputs."""
         return fastpath.info_of(self.model).sparsity.calibrate()

@@ -279,6 +279,7 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert set(d["forward_ms"]) == set(KS) and d["weight_format"].startswith("quantized Q")
     assert d["bandwidth_gbs"] > 0 and d["effective_gbs"] > 0
     assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
+    assert d["layers"] == "native" and "native loop" in format_report(d)  # every projection of SmolLM2 is quantized
     assert "speedup" in format_report(d)
 
 
