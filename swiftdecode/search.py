@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swiftdecode.config import SearchConfig
+from swiftdecode.scheduler import ema
 from swiftdecode.skip import SkipSet
 
 ADOPT_MARGIN = 1.005  # a candidate replaces the best set only if it scores 0.5% higher on the same window (noise)
@@ -109,8 +110,7 @@ class LayerSearch:
         """Track accepted tokens per round after convergence; a clear drop (a new task) restarts the search."""
         if self.searching:
             return
-        old = accepted if self.accept_ema is None else self.accept_ema
-        self.accept_ema = ACCEPT_KEEP * old + (1 - ACCEPT_KEEP) * accepted
+        self.accept_ema = ema(self.accept_ema, accepted, ACCEPT_KEEP)
         if self.accept_level is None or self.accept_ema > self.accept_level:
             self.accept_level = self.accept_ema
         elif self.accept_ema < self.cfg.restart_drop * self.accept_level:
