@@ -1,8 +1,9 @@
 """Continuous batching: requests join and leave between rounds; each round, every active request's tree goes
 through the full model in one forward over all their rows, each request attending only to its own cache.
 
-A request alone runs the engine's own rounds (skip-model drafts, search). With company, each proposes its
-n-gram continuation (or only its last token) and the batch shares one pass over the weights: on a CPU a
+A request alone runs the engine's own rounds (skip-model drafts, search). With company, each proposes as much
+of its n-gram continuation as measured to pay (`rowcost`), or only its last token, and the batch shares one
+pass over the weights: on a CPU a
 forward of 8 rows costs well under twice a forward of one, so decoding requests together multiplies
 throughput. A joining prompt is prefilled in chunks inside those rounds, so the others keep decoding. Every
 row's result depends only on its own sequence (batch-invariant kernels, per-request attention; a chunked
@@ -19,11 +20,13 @@ import torch
 from swiftdecode.drafting import add_chain, ngram_continuation
 from swiftdecode.engine import Generator
 from swiftdecode.request import Request, StreamEvent
+from swiftdecode.rowcost import RowCost
 from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
 
-# Rows of one batched forward, roots included, before n-gram nodes are given out: beyond ~16 rows the quantized
-# kernel is compute-bound and more rows cost about proportionally (swiftdecode doctor prints the curve).
+# Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
+# measured: rowcost.RowCost); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
+# proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
 # Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
 # their tokens keep flowing while a long prompt (thousands of tokens) is read.
@@ -39,6 +42,7 @@ class Batch:
         self.joining: list[Request] = []  # prompts being prefilled in chunks, in arrival order
         self.prefilled: dict[Request, int] = {}  # prompt tokens of each joining request already in its cache
         self.rows = 0  # rows of the last batched forward (0 when the last round ran alone)
+        self.costs = RowCost()  # measured forward cost by rows and n-gram acceptance: how many nodes pay
 
     def __len__(self) -> int:
         return len(self.active) + len(self.joining)
@@ -79,7 +83,8 @@ class Batch:
     def _batched_round(self) -> list[tuple[Request, StreamEvent | None]]:
         gen, sm, reqs = self.gen, self.gen.sm, list(self.active)
         speculate = gen.cfg is not None and "ngram" in gen.cfg.modes
-        nodes = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
+        cap = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
+        nodes = self.costs.budget(len(reqs), cap) if reqs else 0
         trees, parts = [], []
         for req in reqs:
             tree = Tree(req.ctx[-1])
@@ -98,10 +103,14 @@ class Batch:
         hidden = sm.forward_batch(parts)
         rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if joiner is not None and end == len(joiner.ids) else [])
         logits = sm.logits(torch.cat(rows)).split([len(h) for h in rows]) if rows else []
-        seconds = (time.perf_counter() - t0) / len(parts)  # the shared forward, split evenly
+        elapsed = time.perf_counter() - t0
+        if joiner is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
+            self.costs.record_forward(self.rows, elapsed)
+        seconds = elapsed / len(parts)  # the shared forward, split evenly
         out = []
         for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
             path, bonus = verify(tree, scores, req.sampler, start)
+            self.costs.record_tree(len(tree), len(path))
             req.cache.keep(start, torch.tensor([0] + [i + 1 for i in path]))
             _account(req, tree, path, seconds)
             out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus])))

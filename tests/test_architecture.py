@@ -16,7 +16,17 @@ LAYERS = {
     "hub": ["hub", "models"],
     "kernels": ["kernels"],
     "runtime": ["cache", "tree", "skip", "model", "lean", "fastpath", "quantized"],
-    "decoding": ["sampling", "drafting", "verification", "search", "request", "scheduler", "profile", "tuning"],
+    "decoding": [
+        "sampling",
+        "drafting",
+        "verification",
+        "search",
+        "request",
+        "scheduler",
+        "rowcost",
+        "profile",
+        "tuning",
+    ],
     "engine": ["engine", "batch"],
     "apps": [
         "",

@@ -307,8 +307,9 @@ def test_concurrent_requests_decode_together_exactly_and_disconnects_free_slots(
 
         list(pool.map(leave, range(10)))
         deadline = time.monotonic() + 60
-        while (m := metrics(url))["swiftdecode_requests_running"] or m["swiftdecode_queue_depth"]:
-            assert time.monotonic() < deadline, "a disconnected client's request is still held"
+        held = ("swiftdecode_requests_running", "swiftdecode_queue_depth", "swiftdecode_kv_reserved_bytes")
+        while any((m := metrics(url))[k] for k in held):
+            assert time.monotonic() < deadline, "a disconnected client's request or its KV memory is still held"
             time.sleep(0.05)
         assert m['swiftdecode_requests_total{outcome="cancelled"}'] == 10
 

@@ -93,13 +93,14 @@ class Metrics:
             n = sum(self.finished.values())
             return self.gen_seconds / n if n else 1.0
 
-    def render(self, queued: int, running: int, model: str, method: str) -> str:
+    def render(self, queued: int, running: int, kv_reserved: int, model: str, method: str) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         with self.lock:
             families = _traffic(self, model, method) + _decoding(self) + _latency(self)
         families += [
             ("queue_depth", "gauge", "Requests waiting in the queue.", [("", queued)]),
             ("requests_running", "gauge", "Requests being generated (decoding together).", [("", running)]),
+            ("kv_reserved_bytes", "gauge", "KV cache bytes reserved by running requests.", [("", kv_reserved)]),
         ]
         lines: list[str] = []
         for name, kind, help_, samples in families:

@@ -122,10 +122,10 @@ class Worker:
                 self.metrics.count("cancelled")
             self.cond.notify()
 
-    def depth(self) -> tuple[int, int]:
-        """(jobs queued, jobs running or starting)."""
+    def depth(self) -> tuple[int, int, int]:
+        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved)."""
         with self.cond:
-            return len(self.pending), len(self.running) + self.starting
+            return len(self.pending), len(self.running) + self.starting, sum(self.running.reserved.values())
 
     def close(self) -> None:
         with self.cond:
