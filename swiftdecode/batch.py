@@ -17,15 +17,15 @@ import time
 
 import torch
 
-from swiftdecode.drafting import add_chain, ngram_continuation
+from swiftdecode.drafting import add_chain
 from swiftdecode.engine import Generator
 from swiftdecode.request import Request, StreamEvent
-from swiftdecode.rowcost import RowCost
+from swiftdecode.rowcost import CostLine
 from swiftdecode.tree import Tree
 from swiftdecode.verification import verify
 
 # Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
-# measured: rowcost.RowCost); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
+# measured: rowcost.CopyPlanner); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
 # proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
 # Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
@@ -42,7 +42,7 @@ class Batch:
         self.joining: list[Request] = []  # prompts being prefilled in chunks, in arrival order
         self.prefilled: dict[Request, int] = {}  # prompt tokens of each joining request already in its cache
         self.rows = 0  # rows of the last batched forward (0 when the last round ran alone)
-        self.costs = RowCost()  # measured forward cost by rows and n-gram acceptance: how many nodes pay
+        self.line = CostLine()  # seconds of a batched forward by its rows: how many copied tokens pay
 
     def __len__(self) -> int:
         return len(self.active) + len(self.joining)
@@ -84,11 +84,11 @@ class Batch:
         gen, sm, reqs = self.gen, self.gen.sm, list(self.active)
         speculate = gen.cfg is not None and "ngram" in gen.cfg.modes
         cap = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
-        nodes = self.costs.budget(len(reqs), cap) if reqs else 0
         trees, parts = [], []
         for req in reqs:
             tree = Tree(req.ctx[-1])
-            add_chain(tree, ngram_continuation(req.ctx, min(nodes, req.room - 1)), nodes)
+            copied, pays = gen.copies.plan(req, len(reqs), min(cap, req.room - 1), self.line)
+            add_chain(tree, copied[:pays], pays)
             trees.append(tree)
             parts.append((tree.input_ids(), tree.positions(req.cache.length), tree.ancestry(), req.cache))
         joiner = self.joining[0] if self.joining else None
@@ -105,12 +105,11 @@ class Batch:
         logits = sm.logits(torch.cat(rows)).split([len(h) for h in rows]) if rows else []
         elapsed = time.perf_counter() - t0
         if joiner is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
-            self.costs.record_forward(self.rows, elapsed)
+            self.line.record(self.rows, elapsed)
         seconds = elapsed / len(parts)  # the shared forward, split evenly
         out = []
         for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
             path, bonus = verify(tree, scores, req.sampler, start)
-            self.costs.record_tree(len(tree), len(path))
             req.cache.keep(start, torch.tensor([0] + [i + 1 for i in path]))
             _account(req, tree, path, seconds)
             out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus])))

@@ -86,19 +86,19 @@ def _candidates(
     return odds, (top if ids is None else ids[top]).tolist()
 
 
-def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int = 2) -> list[int]:
+def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int = 2) -> tuple[list[int], int]:
     """Up to `length` tokens that followed the latest earlier occurrence of the longest suffix n-gram of ctx
-    (n_max ≥ n ≥ n_min); [] if none. ctx ends with the tree's root."""
+    (n_max ≥ n ≥ n_min), and that n; ([], 0) if none. ctx ends with the tree's root."""
     if length <= 0 or len(ctx) <= n_min:
-        return []
+        return [], 0
     arr = np.asarray(ctx)
     for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return ctx[start : start + length]
-    return []
+            return ctx[start : start + length], n
+    return [], 0
 
 
 def add_chain(tree: Tree, tokens: list[int], max_nodes: int) -> None:

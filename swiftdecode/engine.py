@@ -13,18 +13,19 @@ from dataclasses import replace
 import torch
 
 from swiftdecode.config import METHODS, PAPER_SEARCH, EngineConfig, preset
-from swiftdecode.drafting import DraftVocab, add_chain, draft, ngram_continuation
+from swiftdecode.drafting import DraftVocab, add_chain, draft
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
 from swiftdecode.params import check_params
-from swiftdecode.request import GenerationResult, GenerationStats, Request, StreamEvent
+from swiftdecode.request import GenerationResult, Request, StreamEvent
+from swiftdecode.rowcost import CopyPlanner
 from swiftdecode.sampling import Sampler
 from swiftdecode.scheduler import RoundScheduler
 from swiftdecode.search import LayerSearch
 from swiftdecode.skip import SkipSet
 from swiftdecode.text import Prompts, eos_ids
 from swiftdecode.tree import Tree
-from swiftdecode.tuning import SkipTuner, matchness
+from swiftdecode.tuning import SkipTuner
 from swiftdecode.verification import verify
 
 __all__ = ["PAPER_SEARCH", "EngineConfig", "Generator", "preset"]
@@ -44,6 +45,7 @@ class Generator:
         self.vocab = DraftVocab(self.sm, cfg.draft_vocab if cfg else 0)
         self.schedule = RoundScheduler(cfg.modes, cfg.adaptive) if cfg else None  # None: plain decoding (`ar`)
         self.tuner = SkipTuner(self.sm, cfg) if cfg and "draft" in cfg.modes else None  # None: no skip draft
+        self.copies = CopyPlanner()  # forward cost by rows and copy acceptance: how much of an n-gram branch pays
         if cfg is not None:  # draft settings for greedy (True) and sampling (False), built once
             self.draft_cfg = {True: cfg.draft, False: replace(cfg.draft, topk=cfg.draft.sampling_topk)}
 
@@ -76,13 +78,9 @@ class Generator:
         return self._run(self.request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat))
 
     def _run(self, req: Request) -> Iterator[StreamEvent]:
-        event = self.begin(req)
-        while True:
-            if event is not None:
-                yield event
-            if req.done:
-                return
-            event = self.step(req)
+        yield from filter(None, [self.begin(req)])  # rounds whose tokens show no new text yield no event
+        while not req.done:
+            yield from filter(None, [self.step(req)])
 
     def request(
         self, prompt, max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, chat=False
@@ -93,10 +91,6 @@ class Generator:
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63))
         budget = min(max_new_tokens, self.sm.max_length - len(ids))
         return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers)
-
-    def matchness(self, skip: SkipSet, ctx: list[int]) -> float:
-        """The skip model's matchness on the last `cfg.window` cached positions (see `tuning.matchness`)."""
-        return matchness(self.sm, skip, ctx, self.cfg.window)
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""
@@ -111,7 +105,7 @@ class Generator:
     def step(self, req: Request) -> StreamEvent | None:
         """One decoding round of a started request."""
         self.sm.cache = req.cache
-        return self.advance(req, self._round(req.ctx, req.room, req.sampler, req.stats))
+        return self.advance(req, self._round(req))
 
     def advance(self, req: Request, tokens: list[int]) -> StreamEvent | None:
         """Give the request a round's tokens; on completion, record its stats and what it generated."""
@@ -132,14 +126,19 @@ class Generator:
         self.vocab.prompt(ids)
 
     # ---- one round --------------------------------------------------------------------------------------
-    def _round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats) -> list[int]:
-        """One decoding round from the last token of ctx (not yet in the cache); returns the new tokens."""
-        can_draft = self.skip is not None
-        mode = "plain" if self.cfg is None or room <= 1 else self.schedule.choose(can_draft)
-        t0 = time.perf_counter()
-        out = self._plain(ctx, sampler) if mode == "plain" else self._tree_round(ctx, room, sampler, stats, mode)
+    def _round(self, req: Request) -> list[int]:
+        """One round from the last token of req.ctx (not yet cached); returns the new tokens. It copies from the
+        context where the copied tokens pay for their rows (as measured), else plain step or skip-model draft."""
+        ctx, room, sampler, stats = req.ctx, req.room, req.sampler, req.stats
+        can_draft, t0, mode, branch = self.skip is not None, time.perf_counter(), "plain", []
+        if self.cfg is not None and room > 1:
+            branch, pays = self.copies.plan(req, 1, min(self.draft_cfg[sampler.params.greedy].ngram, room - 1))
+            mode = self.schedule.kind(can_draft, pays > 0)
+            branch = branch[:pays] if mode == "ngram" else branch
+        out = self._plain(ctx, sampler) if mode == "plain" else self._tree_round(req, mode, branch)
         seconds = time.perf_counter() - t0
         if mode == "plain":
+            self.copies.line.record(1, seconds)
             stats.time_split["verify"] += seconds
         stats.round_kinds[mode] += 1
         stats.round_seconds[mode] += seconds
@@ -155,22 +154,24 @@ class Generator:
         logits = self.sm.logits(self.sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
         return [sampler.pick(logits[0], P + 1)]
 
-    def _tree_round(self, ctx: list[int], room: int, sampler: Sampler, stats: GenerationStats, mode: str) -> list[int]:
-        """Propose a tree (the skip model's draft if mode == "draft", the n-gram branch always), verify it in one
-        full forward, keep the accepted path's cache entries; returns the accepted tokens and the bonus token."""
+    def _tree_round(self, req: Request, mode: str, branch: list[int]) -> list[int]:
+        """Propose a tree (the skip model's draft if mode == "draft", the n-gram `branch` always), verify it in
+        one full forward, keep the accepted path's cache entries; returns the accepted tokens and the bonus."""
+        ctx, room, sampler, stats = req.ctx, req.room, req.sampler, req.stats
         sm, P, cfg = self.sm, self.sm.cache.length, self.draft_cfg[sampler.params.greedy]
         t0 = time.perf_counter()
         tree, steps = Tree(ctx[-1]), 0
         if mode == "draft":
             cost = self.tuner.step_cost(self.schedule.draft_step_cost()) if self.tuner else 0.0
             steps = draft(sm, tree, P, self.skip, cfg, room - 1, cost, sampler)
-        add_chain(tree, ngram_continuation(ctx, min(cfg.ngram, room - 1)), cfg.max_nodes)
+        add_chain(tree, branch, cfg.max_nodes)
         sm.cache.truncate(P)  # the draft's own cache entries
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
         path, bonus = verify(tree, logits, sampler, P)
         sm.cache.keep(P, torch.tensor([0] + [i + 1 for i in path]))
-        stats.time_split["verify"] += time.perf_counter() - t1
+        stats.time_split["verify"] += (verify_s := time.perf_counter() - t1)
+        self.copies.line.record(len(tree) + 1, verify_s)
         stats.time_split["draft"] += t1 - t0
         stats.draft_steps += steps
         stats.count_tree(tree, path)

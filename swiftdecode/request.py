@@ -103,6 +103,7 @@ class Request:
         self.capacity = len(ids) + budget + ROUND_SLACK
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
+        self.copies: list[tuple[int, list[int], int]] = []  # n-gram copies not yet scored (rowcost.CopyPlanner)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.start = time.perf_counter()
 

@@ -22,18 +22,24 @@ def ema(old: float | None, new: float, keep: float) -> float:
 
 
 class RoundScheduler:
-    """Picks each round's kind among `modes` ("draft" only once a skip set exists): whichever has yielded the most
-    tokens per second lately, measured; every EXPLORE_EVERY-th round tries another one in turn while such
-    re-measuring stays within EXPLORE_SHARE of decoding time (a draft round can cost several plain ones).
-    Non-adaptive schedules always draft."""
+    """Picks the kind of a round that does not copy (whether copying pays is measured apart, `rowcost`) among
+    `modes` less "ngram" ("draft" only once a skip set exists): whichever has yielded the most tokens per second
+    lately, measured; every EXPLORE_EVERY-th round tries another one in turn while such re-measuring stays within
+    EXPLORE_SHARE of decoding time (a draft round can cost several plain ones). Non-adaptive schedules always
+    draft."""
 
     def __init__(self, modes: tuple[str, ...], adaptive: bool):
-        self.modes, self.adaptive = modes, adaptive
+        self.modes, self.adaptive = tuple(m for m in modes if m != "ngram"), adaptive
+        self.copying = "ngram" in modes  # whether rounds may be n-gram copies
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each kind
         self.rounds = 0  # rounds scheduled adaptively
         self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
         self.explore_s = 0.0  # ... of those, seconds in rounds of a kind other than the fastest (re-measuring)
         self.draft_step_s: float | None = None  # measured seconds of one draft forward (EMA)
+
+    def kind(self, can_draft: bool, copy_pays: bool) -> str:
+        """The next round's kind: an n-gram copy where that pays (and copying is on), else `choose`'s pick."""
+        return "ngram" if copy_pays and self.copying else self.choose(can_draft)
 
     def choose(self, can_draft: bool) -> str:
         """The next round's kind; `can_draft`: whether a skip set exists."""
@@ -60,9 +66,11 @@ class RoundScheduler:
         return [m for m in self.modes if m != "draft" or can_draft]
 
     def record(self, mode: str, tokens: int, seconds: float, can_draft: bool) -> None:
-        """A round of kind `mode` took `seconds` for `tokens` tokens."""
+        """A round of kind `mode` took `seconds` for `tokens` tokens (copying rounds count as decoding time only)."""
         self.decode_s = BUDGET_DECAY * self.decode_s + seconds
         self.search_s *= BUDGET_DECAY
+        if mode not in self.modes:
+            return
         self.explore_s = BUDGET_DECAY * self.explore_s + (seconds if mode != self.fastest(can_draft) else 0.0)
         self.rate[mode] = ema(self.rate[mode], tokens / seconds, RATE_KEEP)
 

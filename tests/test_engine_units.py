@@ -17,6 +17,7 @@ from swiftdecode.sampling import Sampler, SamplingParams, probabilities
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import NGRAM, SKIP, Tree, attention_mask
+from swiftdecode.tuning import matchness
 from swiftdecode.verification import verify
 
 
@@ -175,7 +176,7 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, smollm_fp32,
     sm.reset()
     sm.prefill(ctx[:-1])
     P = sm.cache.length
-    gen.matchness(skip, ctx)  # window = 32 > W: covers our positions too
+    matchness(sm, skip, ctx, gen.cfg.window)  # window = 32 > W: covers our positions too
     assert sm.cache.length == P  # rolled back
     hits = []
     for pos in range(P - W, P):
@@ -187,8 +188,7 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, smollm_fp32,
         hits.append((best if ids is None else int(ids[best])) == ctx[pos + 1])
     sm.reset()
     sm.prefill(ctx[:-1])
-    gen.cfg = type(gen.cfg)(**{**gen.cfg.__dict__, "window": W})
-    assert math.isclose(gen.matchness(skip, ctx), sum(hits) / W)
+    assert math.isclose(matchness(sm, skip, ctx, W), sum(hits) / W)
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,28 @@
-"""The batch's n-gram node budget (rowcost.RowCost): the cost line fitted from forwards, acceptance by depth, and
-the rule that gives a node out only while its acceptance beats its row's cost in tokens."""
+"""How much of an n-gram copy a round verifies (rowcost): the cost line fitted from forwards, acceptance by depth
+scored against what was generated, and the rule that adds a copied token only while it raises tokens per second."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from swiftdecode.rowcost import RowCost
+from swiftdecode.rowcost import CopyPlanner, CostLine, DepthAcceptance, tokens_that_pay
 
 
-def fitted(a: float, b: float, rows=(1, 2, 4, 8, 12, 16)) -> RowCost:
-    costs = RowCost()
+def fitted(a: float, b: float, rows=(1, 2, 4, 8, 12, 16)) -> CostLine:
+    line = CostLine()
     for _ in range(5):
         for r in rows:
-            costs.record_forward(r, a + b * r)
-    return costs
+            line.record(r, a + b * r)
+    return line
+
+
+def profile(accepted: int, proposed: int, times: int = 300) -> DepthAcceptance:
+    acc = DepthAcceptance()
+    for _ in range(times):
+        acc.record(proposed, accepted)
+    return acc
 
 
 def test_line_recovers_the_cost_of_a_row():
@@ -22,34 +31,48 @@ def test_line_recovers_the_cost_of_a_row():
 
 
 def test_no_slope_until_rows_vary():
-    costs = RowCost()
+    line = CostLine()
     for _ in range(10):
-        costs.record_forward(8, 0.02)
-    assert costs.line() is None
-    assert costs.budget(8, cap=3) == 3  # nodes are given out so that rows vary and the slope can be measured
+        line.record(8, 0.02)
+    assert line.line() is None
+    assert tokens_that_pay(line, DepthAcceptance(), 8, cap=3) == 3  # copy, so that rows vary and the slope shows
 
 
 def test_acceptance_by_depth():
-    costs = RowCost()
-    for _ in range(300):
-        costs.record_tree(proposed=3, accepted=1)
-    assert costs.accept(1) > 0.95 and costs.accept(2) < 0.05 and costs.accept(3) < 0.05
-    assert costs.accept(5) == pytest.approx(0.5)  # never proposed: the prior
+    acc = profile(accepted=1, proposed=3)
+    assert acc.accept(1) > 0.95 and acc.accept(2) < 0.05 and acc.accept(3) < 0.05
+    assert acc.accept(5) == pytest.approx(0.5)  # never proposed: the prior
 
 
-def test_budget_weighs_acceptance_against_the_row_cost():
+def test_copied_tokens_pay_while_they_raise_tokens_per_second():
     cheap, steep = fitted(0.010, 0.0005), fitted(0.010, 0.0022)  # a row costs 5% / 22% of the weights' pass
-    for costs in (cheap, steep):
-        for _ in range(300):
-            costs.record_tree(proposed=4, accepted=2)  # depths 1-2 always accepted, 3-4 never
-    assert cheap.budget(1, cap=15) == 2  # alone: the accepted depths pay, the rejected ones do not
-    assert steep.budget(1, cap=15) == 2
-    # 8 requests: a round already yields 8 tokens, a row costs 0.0022 s against 0.0032 s a token: still pays at
-    # acceptance ~1; at acceptance 0.6 it would not
-    assert steep.budget(8, cap=1) == 1
+    sure = profile(accepted=2, proposed=4)  # depths 1-2 always accepted, 3-4 never
+    assert tokens_that_pay(cheap, sure, 1, cap=15) == 2  # alone: the accepted depths pay, the rejected ones do not
+    assert tokens_that_pay(steep, sure, 1, cap=15) == 2
+    # 8 requests: a forward already yields 8 tokens in 0.0276 s; a row costs 0.0022 s, so a copied token must be
+    # accepted with chance > 0.64 to raise tokens per second
+    assert tokens_that_pay(steep, sure, 8, cap=1) == 1
+    coin = profile(accepted=1, proposed=1, times=0)
     for _ in range(300):
-        steep.record_tree(proposed=1, accepted=0)
-        steep.record_tree(proposed=1, accepted=1)
-    assert 0.4 < steep.accept(1) < 0.8
-    assert steep.budget(8, cap=1) == 0
-    assert cheap.budget(8, cap=1) == 1  # a cheap row still pays at that acceptance
+        coin.record(1, 0)
+        coin.record(1, 1)
+    assert 0.4 < coin.accept(1) < 0.6
+    assert tokens_that_pay(steep, coin, 8, cap=1) == 0
+    assert tokens_that_pay(cheap, coin, 8, cap=1) == 1  # a cheap row still pays at that chance
+
+
+def test_copies_are_scored_against_what_was_generated():
+    """A copy is scored once its fate is known (a mismatch, or every token generated), verified or not."""
+    planner = CopyPlanner()
+    ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # ends with the 3-gram 1 2 3: the copy is 4 5 9 1 ...
+    req = SimpleNamespace(ctx=ctx, copies=[])  # what the planner reads of a Request
+    copied, n = planner.plan(req, 1, 3)
+    pending = req.copies
+    assert copied == [4, 5, 9] and n == 3 and pending == [(9, [4, 5, 9], 3)]
+    planner.resolve(ctx + [4], pending)  # one token generated, as copied: not yet decided
+    assert pending == [(9, [4, 5, 9], 3)]
+    planner.resolve(ctx + [4, 7], pending)  # the second one differs: scored as 1 accepted of 3
+    assert pending == []
+    acc = planner.acceptance[3]
+    assert acc.accept(1) > 0.5 > acc.accept(2) and acc.accept(2) == acc.accept(3)
+    assert planner.plan(SimpleNamespace(ctx=[1, 2, 3, 4], copies=[]), 1, 3) == ([], 0)  # no repeat: no copy
