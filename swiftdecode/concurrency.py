@@ -5,11 +5,14 @@ Each client streams `/v1/completions` with the prompt's token ids (chat template
 greedy, and records time to first token (first streamed text), wall time and completion tokens. Reported per
 mode: aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first token,
 mean per-request tokens/s, HTTP 429s, and whether every answer equals the one-client answer to the same prompt.
+The clients run in a process of their own, as a server's clients are other programs: they share the machine's
+cores with the server, not its interpreter lock.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 import statistics
 import threading
@@ -73,7 +76,7 @@ def replay(url: str, ids: list[list[int]], max_tokens: int, clients: int) -> dic
     """All prompts through `clients` concurrent clients (each takes the next prompt when done)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        answers = list(pool.map(lambda x: ask(url, x, max_tokens), ids))
+        answers = list(pool.map(ask, [url] * len(ids), ids, [max_tokens] * len(ids)))
     wall = time.perf_counter() - t0
     ok = [a for a in answers if a["status"] == 200]
     ttft = sorted(a["ttft_s"] for a in ok)
@@ -102,10 +105,10 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
     from swiftdecode.server import create_app
 
     app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
-    with serving(app) as url:
-        ask(url, ids[0], 8)  # warm-up
-        solo = replay(url, ids, max_tokens, 1)
-        together = replay(url, ids, max_tokens, clients)
+    with serving(app) as url, multiprocessing.get_context("spawn").Pool(1) as client:
+        client.apply(ask, (url, ids[0], 8))  # warm-up
+        solo = client.apply(replay, (url, ids, max_tokens, 1))
+        together = client.apply(replay, (url, ids, max_tokens, clients))
     same = [
         a["status"] == 200 and a["text"] == b.get("text")
         for a, b in zip(together["answers"], solo["answers"], strict=True)
