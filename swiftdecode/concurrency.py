@@ -26,9 +26,13 @@ MODEL_ID = "bench"
 
 @contextmanager
 def serving(app) -> Iterator[str]:
-    """Run `app` with uvicorn in a background thread on a free local port; yields the base URL."""
+    """Run `app` with uvicorn in a background thread on a free local port; yields the base URL. The calling
+    thread's OpenMP pool is released first: the server's worker thread runs the kernels from now on."""
     import uvicorn
 
+    from swiftdecode.kernels.openmp import release_thread_pool
+
+    release_thread_pool()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

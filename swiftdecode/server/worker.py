@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from swiftdecode.errors import UserError
+from swiftdecode.kernels.openmp import release_thread_pool
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
 
@@ -92,6 +93,7 @@ class Worker:
         self.pending: deque[Job] = deque()
         self.starting = 0  # jobs taken from the queue, being validated and prefilled
         self.closed = False
+        release_thread_pool()  # the worker thread runs the kernels from now on: one OpenMP pool, not two
         self.thread = threading.Thread(target=self._loop, name="swiftdecode-worker", daemon=True)
         self.thread.start()
 
