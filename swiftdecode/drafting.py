@@ -3,7 +3,8 @@ continuations copied from the context, all on the full model's own KV cache."""
 
 from __future__ import annotations
 
-import numpy as np
+from array import array
+
 import torch
 
 from swiftdecode.config import DraftConfig
@@ -88,15 +89,20 @@ def _candidates(
 
 def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int = 2) -> tuple[list[int], int]:
     """Up to `length` tokens that followed the latest earlier occurrence of the longest suffix n-gram of ctx
-    (n_max ≥ n ≥ n_min), and that n; ([], 0) if none. ctx ends with the tree's root."""
+    (n_max ≥ n ≥ n_min), and that n; ([], 0) if none. ctx ends with the tree's root.
+
+    Runs every round: the context is searched as 4-byte tokens with `bytes.rfind` (C speed: ~27 µs at 2000
+    tokens, most of it packing them, where a numpy window scan took ~125 µs), keeping hits on token boundaries."""
     if length <= 0 or len(ctx) <= n_min:
         return [], 0
-    arr = np.asarray(ctx)
+    data = array("i", ctx).tobytes()
+    hay = len(data) - 4  # occurrences end before the last token (so a token follows them)
     for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
+        needle, end = data[-4 * n :], hay
+        while (at := data.rfind(needle, 0, end)) >= 0 and at % 4:
+            end = at + 4 * n - 1  # a hit across token boundaries: look further back
+        if at >= 0:
+            start = at // 4 + n
             return ctx[start : start + length], n
     return [], 0
 

@@ -76,3 +76,25 @@ def test_copies_are_scored_against_what_was_generated():
     acc = planner.acceptance[3]
     assert acc.accept(1) > 0.5 > acc.accept(2) and acc.accept(2) == acc.accept(3)
     assert planner.plan(SimpleNamespace(ctx=[1, 2, 3, 4], copies=[]), 1, 3) == ([], 0)  # no repeat: no copy
+
+
+def test_ngram_continuation_matches_a_plain_scan():
+    """The byte search finds what scanning every earlier window finds (latest occurrence of the longest suffix
+    n-gram, token-aligned), on contexts whose 4-byte tokens share bytes (small and huge ids)."""
+    import random
+
+    from swiftdecode.drafting import ngram_continuation
+
+    def scan(ctx, length, n_max=3, n_min=2):
+        for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
+            hits = [i for i in range(len(ctx) - n) if ctx[i : i + n] == ctx[-n:]]
+            if hits and length > 0 and len(ctx) > n_min:
+                return ctx[hits[-1] + n : hits[-1] + n + length], n
+        return [], 0
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 256, 257, 70000, 2**31 - 1])
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        length = rng.randint(0, 9)
+        assert ngram_continuation(ctx, length) == scan(ctx, length), (ctx, length)
