@@ -3,8 +3,6 @@ seconds of recent decoding, search and re-measuring that the search's and the ex
 
 from __future__ import annotations
 
-from swiftdecode.config import MODES
-
 EXPLORE_EVERY = 8  # rate estimates of the round kinds not in use go stale; re-measure one every 8th round ...
 EXPLORE_SHARE = 0.05  # ... while re-measuring takes under 5% of decoding time (measured: 14-20% before this cap)
 # Per round, the decoding / search / re-measuring seconds fade by this factor: they cover about the last 200 rounds
@@ -31,7 +29,7 @@ class RoundScheduler:
     def __init__(self, modes: tuple[str, ...], adaptive: bool):
         self.modes, self.adaptive = tuple(m for m in modes if m != "ngram"), adaptive
         self.copying = "ngram" in modes  # whether rounds may be n-gram copies
-        self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # measured tokens/s of rounds of each kind
+        self.rate: dict[str, float | None] = dict.fromkeys(self.modes)  # measured tokens/s of each kind it picks
         self.rounds = 0  # rounds scheduled adaptively
         self.decode_s = self.search_s = 0.0  # decoding and search seconds of the last ~200 rounds (overhead cap)
         self.explore_s = 0.0  # ... of those, seconds in rounds of a kind other than the fastest (re-measuring)
