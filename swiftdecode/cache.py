@@ -10,11 +10,19 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+def _only_unset(value) -> None:
+    """transformers' layer base class clears keys/values by assigning None; anything else would be lost."""
+    if value is not None:
+        raise NotImplementedError("a BufferLayer's keys and values are views of its buffers, not assignable")
+
+
 class BufferLayer(DynamicLayer):
     """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
     unless an append needs more; appends copy only the new entries."""
 
     def __init__(self, limit: int | None = None):
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
         super().__init__()
         self.limit = limit
 
@@ -28,10 +36,24 @@ class BufferLayer(DynamicLayer):
         self._v = like.new_empty((*lead, n, dim))
         self.length = 0
         self.is_initialized = True
-        self._refresh()
 
-    def _refresh(self) -> None:
-        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+    # keys/values are views of the filled part of the buffers, taken when read: lengths change every step (per
+    # layer, ~60 times a forward on small models) and most steps never read them (the native layer loop).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._k[:, :, : self.length] if self._k is not None else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _only_unset(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._v[:, :, : self.length] if self._v is not None else None
+
+    @values.setter
+    def values(self, value) -> None:
+        _only_unset(value)
 
     def _room(self, end: int) -> None:
         """Grow the buffers to hold `end` entries (doubling, capped at `limit` unless `end` needs more)."""
@@ -49,7 +71,6 @@ class BufferLayer(DynamicLayer):
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
         self.length = end
-        self._refresh()
         return self.keys, self.values
 
     def reserve(self, n: int, heads: int, dim: int, like: torch.Tensor) -> tuple[int, int, int, int]:
@@ -62,7 +83,6 @@ class BufferLayer(DynamicLayer):
 
     def extend(self, n: int) -> None:
         self.length += n
-        self._refresh()
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -76,7 +96,6 @@ class BufferLayer(DynamicLayer):
     def truncate(self, length: int) -> None:
         if self.is_initialized and length < self.length:
             self.length = max(length, 0)
-            self._refresh()
 
     @torch.inference_mode()
     def keep(self, start: int, index: torch.Tensor) -> None:
@@ -87,7 +106,6 @@ class BufferLayer(DynamicLayer):
         self._k[:, :, start : start + len(index)] = self._k[:, :, src]
         self._v[:, :, start : start + len(index)] = self._v[:, :, src]
         self.length = start + len(index)
-        self._refresh()
 
 
 class SwiftCache(Cache):

@@ -48,14 +48,15 @@ def test_formats(kind):
     data = random_blocks(kind, n, k)
     w = QuantWeight.from_gguf(kind, data, n, k)
     ref = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(1))  # past the 32-row pass: 32 + 32 + 6
     bias = torch.randn(n)
     results = []
     for kern in kernels():
         assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
-        y = kern.linear(x, w, bias)
         one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
-        assert torch.equal(y, one), f"{kern.isa}: a 7-row product differs from 7 one-row products"
+        for rows in (7, 70):  # unrolled at compile time (<= 8 rows) and in run-time passes
+            y = kern.linear(x[:rows], w, bias)
+            assert torch.equal(y, one[:rows]), f"{kern.isa}: a {rows}-row product differs from one-row products"
         want = x @ ref.T + bias
         assert ((y - want).norm() / want.norm()) < 0.02  # int8 activations: ~0.5% relative error
         results.append(y)
