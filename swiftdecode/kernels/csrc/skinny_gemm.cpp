@@ -402,7 +402,7 @@ static inline vf vexp(vf x) {
 
 // Attention for HN <= HB heads sharing k/v and one query row, over its nv visible keys vis[0..nv) in key order.
 // s, p: scratch [HB][T]. Per head: score s_t = fma(lane-sum(q . k_t over head-dim chunks in order), scale, mask_t),
-// the lane sums taken VW visible keys at a time (vsums) and then one by one for the last nv % VW;
+// the lane sums taken VW visible keys at a time (vsums, when D is whole chunks: CH > 0) and then one by one;
 // p_t = exp(s_t - max); denom and output are sums over the visible keys in key order (one scalar chain for
 // the denominator, one vector chain per head-dim chunk). Nothing depends on other heads, rows or masked keys.
 template <int CH>  // chunk c of a head-dim vector: whole when D = CH * VW (CH > 0), else with a masked tail
@@ -412,7 +412,7 @@ static inline vf chunk(const float* p, int64_t c, int64_t D) {
   return n == VW ? vload(p + c * VW) : vload_tail(p + c * VW, n);
 }
 
-// CH > 0: compiled for D = CH * VW (loops unrolled, accumulators in registers); CH = 0: any D. Same numerics.
+// CH > 0: compiled for D = CH * VW (loops unrolled, accumulators in registers); CH = 0: any D, one key at a time.
 template <int HN, int CH>
 static void attend_row(const float* const* qr, const float* kh, int64_t k_st, const float* vh, int64_t v_st,
                        const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D, float scale, float* s,
@@ -422,8 +422,8 @@ static void attend_row(const float* const* qr, const float* kh, int64_t k_st, co
   vf mxv[HN];
   for (int h = 0; h < HN; ++h) mx[h] = -INFINITY, mxv[h] = vset1(-INFINITY);
   int64_t i = 0;
-  for (; i + VW <= nv; i += VW)  // VW keys at a time: one transposing reduction per head instead of VW
-    for (int h = 0; h < HN; ++h) {
+  for (; CH > 0 && i + VW <= nv; i += VW)  // VW keys at a time (whole chunks only): one transposing reduction
+    for (int h = 0; h < HN; ++h) {  // per head instead of VW
       vf acc[VW];
 #pragma GCC unroll 16
       for (int j = 0; j < VW; ++j) {
@@ -535,6 +535,7 @@ static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const
   const float *kh = k + g * k_sh, *vh = v + g * v_sh;
   if (D == 4 * VW) attend_heads<4>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else if (D == 8 * VW) attend_heads<8>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
+  else if (D == 16 * VW) attend_heads<16>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else attend_heads<0>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);}
 
 extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
