@@ -4,10 +4,10 @@ rounds. A copy is scored against the tokens actually generated whether or not it
 that had a match teaches the table: no round has to be spent on copying to learn whether copying pays.
 
 Why: a forward's first row pays for streaming the weights, each further row only for its arithmetic, and on a
-compute-bound CPU kernel that arithmetic is not small (`swiftdecode doctor`: 16 rows cost 3.4x one on a Zen 5,
-8 rows 1.8x). A copied token is worth its row while its acceptance chance raises the tokens per second of the
-forward it joins: alone, it pays at a modest chance; with 8 requests decoding together a forward already yields
-8 tokens, so an extra row must be accepted nearly always.
+compute-bound CPU kernel that arithmetic is not small (Qwen2.5-0.5B on a 2-core Zen 5: 16 rows cost 2.0x one,
+8 rows 1.4x; `swiftdecode doctor` prints the curve). A copied token is worth its row while its acceptance chance
+raises the tokens per second of the forward it joins: alone, it pays at a modest chance; with 8 requests
+decoding together a forward already yields 8 tokens, so an extra row must be accepted nearly always.
 """
 
 from __future__ import annotations
