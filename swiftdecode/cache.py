@@ -10,10 +10,20 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
-def _only_unset(value) -> None:
-    """transformers' layer base class clears keys/values by assigning None; anything else would be lost."""
-    if value is not None:
-        raise NotImplementedError("a BufferLayer's keys and values are views of its buffers, not assignable")
+def _filled(buffer: str) -> property:
+    """A read-only view of the filled part of buffer `buffer` ([..., :length, :]), taken when read: lengths change
+    every step (per layer, ~60 times a forward on small models) and most steps never read the views (the native
+    layer loop). transformers' layer base class clears keys/values by assigning None, which is all it may set."""
+
+    def get(self) -> torch.Tensor | None:
+        buf = getattr(self, buffer)
+        return buf[:, :, : self.length] if buf is not None else None
+
+    def set_(self, value) -> None:
+        if value is not None:
+            raise NotImplementedError("a BufferLayer's keys and values are views of its buffers, not assignable")
+
+    return property(get, set_)
 
 
 class BufferLayer(DynamicLayer):
@@ -37,23 +47,8 @@ class BufferLayer(DynamicLayer):
         self.length = 0
         self.is_initialized = True
 
-    # keys/values are views of the filled part of the buffers, taken when read: lengths change every step (per
-    # layer, ~60 times a forward on small models) and most steps never read them (the native layer loop).
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._k[:, :, : self.length] if self._k is not None else None
-
-    @keys.setter
-    def keys(self, value) -> None:
-        _only_unset(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._v[:, :, : self.length] if self._v is not None else None
-
-    @values.setter
-    def values(self, value) -> None:
-        _only_unset(value)
+    keys = _filled("_k")
+    values = _filled("_v")
 
     def _room(self, end: int) -> None:
         """Grow the buffers to hold `end` entries (doubling, capped at `limit` unless `end` needs more)."""

@@ -148,7 +148,7 @@ static inline void fstoreu(float* p, vf a) { _mm256_storeu_ps(p, a); }
 #define SD_PASTE(a, b) a##_##b
 #define SD_EXPORT(a, b) SD_PASTE(a, b)
 #define RMAX 32            // input rows per pass over a tile's weights: their accumulators (on the stack) and int8
-                          // codes (32 x K bytes) stay in L1 while each block's codes are unpacked once for all
+                          // codes (32 x K bytes) stay in L1/L2 while each block's codes are unpacked once for all
 #define PREFETCH_BLOCKS 4  // 32-blocks ahead that a tile's code planes are prefetched (~1-2 KB): at 4-16 rows the
                            // hardware prefetcher alone left a forward up to 1.2x slower (Qwen2.5-0.5B, 4 rows)
 
@@ -301,9 +301,11 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
     vf acc[R ? R : RMAX];
     for (int i = 0; i < nr; i++) acc[i] = fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
-      const int64_t ahead = t * nb + blk + PREFETCH_BLOCKS;  // planes are tile-major: this runs on into tile t + 1
-      for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
-      for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
+      if (e == 0) {  // planes are tile-major: `ahead` runs on into tile t + 1; later lane groups find it cached
+        const int64_t ahead = t * nb + blk + PREFETCH_BLOCKS;
+        for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
+        for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
+      }
       tile_block<F, R>(w, x, t, blk, e, m0, nr, acc);
     }
     for (int i = 0; i < nr; i++) {
