@@ -29,6 +29,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def argmax(x: torch.Tensor) -> int:
+    """Index of the first largest entry of a 1-D tensor (NaN counts as largest), as torch.argmax gives it; on a
+    CPU by numpy's vectorised argmax: ~7 µs for a 152k-token row where torch.argmax takes ~90 µs, and every
+    round picks one token per accepted node."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 1:
+        return int(x.numpy().argmax())
+    return int(x.argmax())
+
+
 NOISE_KEPT = 64  # positions whose noise stays cached behind the newest one asked for (a round's tree depth)
 
 
@@ -50,8 +59,8 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, position: int) -> int:
         if self.params.greedy:
-            return int(logits.argmax())
-        return int((probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1])).argmax())
+            return argmax(logits)
+        return argmax(probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1]))
 
     def noise_at(self, position: int, vocab: int) -> torch.Tensor:
         """E ~ Exp(1)^V of `position`: a pure function of (seed, position), drawn only for positions asked for

@@ -13,7 +13,7 @@ from swiftdecode import Generator, UserError, fastpath
 from swiftdecode.cache import SwiftCache
 from swiftdecode.drafting import DraftConfig
 from swiftdecode.engine import EngineConfig
-from swiftdecode.sampling import Sampler, SamplingParams, probabilities
+from swiftdecode.sampling import Sampler, SamplingParams, argmax, probabilities
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import NGRAM, SKIP, Tree, attention_mask
@@ -100,6 +100,18 @@ def test_exponential_race_sampler_draws_the_processed_distribution():
     support = p > 0
     assert counts[~support].sum() == 0
     assert chisquare(counts[support], 20_000 * p[support] / p[support].sum()).pvalue > 1e-3
+
+
+def test_argmax_is_torchs_on_ties_nan_and_infinities():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 151936, generator=g)
+    rows[1, [5, 90000, 7]] = rows[1].max() + 1  # ties: the first wins
+    rows[2, [70000, 3]] = float("nan")  # NaN counts as largest
+    rows[3] = float("-inf")
+    rows[4, 100] = float("inf")
+    rows[5, :10] = 0.0
+    for row in [*rows, rows[5, :10], rows[0].double()]:
+        assert argmax(row) == int(row.argmax())
 
 
 def test_sampler_noise_is_fixed_per_position():

@@ -72,6 +72,22 @@ def test_select_rows_matches_full_product():
     assert torch.equal(kern.linear(x, w.select_rows(ids)), kern.linear(x, w)[:, ids])
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])  # a 2-bit and a 4-bit high plane, per-block scales
+def test_put_rows_replaces_rows_in_place(kind):
+    n, k = 100, 256
+    w = QuantWeight.from_gguf(kind, random_blocks(kind, n, k), n, k)
+    ids = torch.tensor([97, 3, 50, 16, 17, 0])
+    sub = w.select_rows(ids)
+    address = sub.lo.data_ptr()
+    slots, new = torch.tensor([1, 4]), torch.tensor([64, 31])
+    sub.put_rows(slots, w, new)
+    ids[slots] = new
+    x = torch.randn(3, k)
+    kern = kernels()[0]
+    assert sub.lo.data_ptr() == address
+    assert torch.equal(kern.linear(x, sub), kern.linear(x, w)[:, ids])
+
+
 def test_row_permutation_is_applied():
     n, k = 32, 64
     data = random_blocks("Q8_0", n, k)
