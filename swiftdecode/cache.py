@@ -37,13 +37,14 @@ class BufferLayer(DynamicLayer):
         self.limit = limit
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._allocate(key_states.shape[:2], key_states.shape[-2], key_states.shape[-1], key_states)
+        shape = key_states.shape
+        self._allocate(shape[:2], shape[-2], shape[-1], key_states.dtype, key_states.device)
 
-    def _allocate(self, lead: tuple, entries: int, dim: int, like: torch.Tensor) -> None:
-        self.device = like.device
+    def _allocate(self, lead: tuple, entries: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device = device
         n = max(min(256, self.limit or 256), entries)
-        self._k = like.new_empty((*lead, n, dim))
-        self._v = like.new_empty((*lead, n, dim))
+        self._k = torch.empty((*lead, n, dim), dtype=dtype, device=device)
+        self._v = torch.empty((*lead, n, dim), dtype=dtype, device=device)
         self.length = 0
         self.is_initialized = True
 
@@ -68,11 +69,11 @@ class BufferLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
-    def reserve(self, n: int, heads: int, dim: int, like: torch.Tensor) -> tuple[int, int, int, int]:
-        """Room for n more entries (buffers [1, heads, ·, dim] of `like`'s dtype) for a native writer: returns
+    def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+        """Room for n more entries (CPU buffers [1, heads, ·, dim] of `dtype`) for a native writer: returns
         (keys address, values address, head stride, length); `extend(n)` then counts what it wrote."""
         if not self.is_initialized:
-            self._allocate((1, heads), n, dim, like)
+            self._allocate((1, heads), n, dim, dtype, torch.device("cpu"))
         self._room(self.length + n)
         return self._k.data_ptr(), self._v.data_ptr(), self._k.stride(1), self.length
 

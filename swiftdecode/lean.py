@@ -53,6 +53,11 @@ class LeanDecoder:
             for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)
         ]
         self._fused: tuple[object, FusedDecoder] | None = None  # (fp32 kernel it is bound to, the native loop)
+        quantized = all(isinstance(m, QuantLinear) for layer in self.layers for m in _linears(layer))
+        # On quantized weights the caches hold fp16 keys/values (as llama.cpp's do): half the bytes each row's
+        # attention reads, which for a small model's batch of requests is as much as the 4-bit weights. A float
+        # model keeps its activations' dtype (so the fp32 path still agrees with transformers).
+        self.kv_dtype = torch.float16 if quantized else None
 
     def forward(
         self,
@@ -98,8 +103,9 @@ class LeanDecoder:
         q, k, v = (t.view(rows, -1, d) for t in _project(h, (attn.q_proj, attn.k_proj, attn.v_proj), self.plans[i][0]))
         q, k = kernel.rope(q.contiguous(), cos, sin), kernel.rope(k.contiguous(), cos, sin)
         sizes = [len(m) for m in masks]
+        to = (lambda t: t.to(self.kv_dtype)) if self.kv_dtype is not None else (lambda t: t)
         kv = [
-            cache.layers[i].update(kj.transpose(0, 1)[None], vj.transpose(0, 1)[None])
+            cache.layers[i].update(to(kj.transpose(0, 1)[None]), to(vj.transpose(0, 1)[None]))
             for kj, vj, cache in zip(k.split(sizes), v.split(sizes), caches, strict=True)
         ]
         out = kernel.attention_many(q, [k[0] for k, _ in kv], [v[0] for _, v in kv], masks, sizes, self.scale)
@@ -123,7 +129,7 @@ class LeanDecoder:
                 dims = dict(
                     hidden=attn.o_proj.out_features, heads=attn.q_proj.out_features // self.head_dim,
                     kv_heads=self.kv_heads, head_dim=self.head_dim, inter=mlp.gate_proj.out_features,
-                    eps=self.eps, scale=self.scale,
+                    eps=self.eps, scale=self.scale, kv_half=int(self.kv_dtype == torch.float16),
                 )  # fmt: skip
                 fused = FusedDecoder(attn.q_proj.kernel, weights, dims, kernel.addresses)
             self._fused = (kernel, fused)
@@ -134,13 +140,14 @@ class LeanDecoder:
         flags = bytes(
             (SKIP_ATTN if i in skip.attn else 0) | (SKIP_MLP if i in skip.mlp else 0) for i in range(len(self.layers))
         )
-        seqs, kv, row, max_t = [], [], 0, 1
+        seqs, kv, row, max_t, dtype = [], [], 0, 1, self.kv_dtype or x.dtype
         for cache, mask in zip(caches, masks, strict=True):
             rows = len(mask)
             seqs.append((rows, row, mask))
             row += rows
             for layer, flag in zip(cache.layers, flags, strict=True):
-                entry = (None, None, 0, 0) if flag & SKIP_ATTN else layer.reserve(rows, self.kv_heads, self.head_dim, x)
+                skipped = flag & SKIP_ATTN
+                entry = (None, None, 0, 0) if skipped else layer.reserve(rows, self.kv_heads, self.head_dim, dtype)
                 kv.append(entry)
                 max_t = max(max_t, entry[3] + rows)
         fused.run(x, cos, sin, flags, seqs, kv, kernel.attention_scratch(max_t))

@@ -80,6 +80,7 @@ def test_native_layers_return_the_python_loops_bits(request, name):
             for x, y in zip(a.layers, b.layers, strict=True)
         )
     assert len({layer.length for layer in got_caches[0].layers}) == 2  # the draft's skipped layers stayed short
+    assert got_caches[0].layers[0].keys.dtype == torch.float16  # quantized weights: fp16 keys and values
 
 
 def test_float_projections_keep_the_python_loop(smollm_fp32):

@@ -127,6 +127,25 @@ def test_attention_matches_reference(any_kernel, h, hkv, d):
     assert torch.equal(none, kernel.attention(q, k, v, torch.where(causal, 0.0, float("-inf")), d**-0.5))
 
 
+@pytest.mark.parametrize("d", [64, 128, 40])  # unrolled (4 or 8 AVX-512 vectors) and the generic loop
+def test_fp16_keys_and_values_are_widened_exactly(any_kernel, d):
+    """attention_many over fp16 keys/values returns the bits it returns over their fp32 values, for two
+    sequences of different lengths batched together; any ISA build."""
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(5, 6, d, generator=g)  # sequence 0: 3 rows, sequence 1: 2 rows
+    ks = [torch.randn(2, t, d, generator=g).half() for t in (37, 70)]
+    vs = [torch.randn(2, t, d, generator=g).half() for t in (37, 70)]
+    masks = [
+        torch.zeros(m, t).masked_fill_(torch.rand(m, t, generator=g) > 0.8, float("-inf"))
+        for m, t in ((3, 37), (2, 70))
+    ]
+    half = any_kernel.attention_many(q, ks, vs, masks, [3, 2], d**-0.5)
+    full = any_kernel.attention_many(q, [k.float() for k in ks], [v.float() for v in vs], masks, [3, 2], d**-0.5)
+    assert torch.equal(half, full)
+    with pytest.raises(ValueError, match="all be fp32 or all fp16"):
+        any_kernel.attention_many(q, [ks[0], ks[1].float()], vs, masks, [3, 2], d**-0.5)
+
+
 def test_attention_is_invariant_to_rows_and_masked_keys(kernel):
     """A row's output depends only on its visible keys in order: not on other rows or masked keys between."""
     g = torch.Generator().manual_seed(2)
@@ -281,6 +300,7 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
     assert d["layers"] == "native" and "native loop" in format_report(d)  # every projection of SmolLM2 is quantized
     assert "speedup" in format_report(d)
+    assert d["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, keys + values, 3 heads of 64, fp16
 
 
 @pytest.mark.parametrize("name", ["smollm", "qwen", "gemma"])

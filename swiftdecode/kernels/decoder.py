@@ -22,6 +22,7 @@ SKIP_ATTN, SKIP_MLP = 1, 2  # csrc per-layer skip flags
 
 class _Config(ctypes.Structure):
     _fields_ = [*((n, _I) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")), ("eps", _F), ("scale", _F)]
+    _fields_ += [("kv_half", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,8 +55,8 @@ class FusedDecoder:
     """The layer loop of one model, bound to its weights (kept alive here, so the pointers stay valid)."""
 
     def __init__(self, qkernel: QKernel, layers: list[LayerWeights], dims: dict, ops: dict[str, int]):
-        """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats); ops: the fp32 kernel
-        library's entry points (kernels/fp32.py: Kernel.addresses)."""
+        """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats), kv_half (the caches hold
+        fp16 keys/values); ops: the fp32 kernel library's entry points (kernels/fp32.py: Kernel.addresses)."""
         self.layers, self.n_layers = layers, len(layers)
         self.config = _Config(**dims)
         self.ops = _Ops(**ops)

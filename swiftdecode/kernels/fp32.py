@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
-ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
-ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}}
 ATTN_HEADS = 4  # HB in csrc: query heads per attention work item; scratch is (HB + 1) * T floats per thread
 
 
@@ -51,7 +51,7 @@ class Kernel:
         self._attn.restype = None
         self._attn_many = getattr(self._lib, f"sd_attention_many_{isa}")
         self._attn_many.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p]
-        self._attn_many.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self._attn_many.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         self._attn_many.restype = None
         self._norm = getattr(self._lib, f"sd_rmsnorm_{isa}")
         self._norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -114,13 +114,16 @@ class Kernel:
         self, q: torch.Tensor, ks: list, vs: list, masks: list, sizes: list[int], scale: float
     ) -> torch.Tensor:
         """Attention of several sequences in one call: q [R, H, D] contiguous, sequence j owning the next
-        sizes[j] rows, over its own keys/values ks[j]/vs[j] [Hkv, T_j, D] (key stride D, equal head strides)
-        under masks[j] [sizes[j], ≥ T_j] additive -> [R, H, D], each sequence's rows exactly as `attention`."""
+        sizes[j] rows, over its own keys/values ks[j]/vs[j] [Hkv, T_j, D] (key stride D, equal head strides;
+        all fp32, or all fp16: widened exactly) under masks[j] [sizes[j], ≥ T_j] additive -> [R, H, D], each
+        sequence's rows exactly as `attention` computes them on fp32 keys/values of the same values."""
         (_, h, d), hkv, n = q.shape, ks[0].shape[0], len(ks)
         dims, row = [], 0
         for k, v, mask, m in zip(ks, vs, masks, sizes, strict=True):
             if k.stride(1) != d or v.stride(1) != d or v.stride(0) != k.stride(0):
                 raise ValueError("keys and values need key stride D and equal head strides")
+            if k.dtype != ks[0].dtype or v.dtype != k.dtype or k.dtype not in (torch.float32, torch.float16):
+                raise ValueError("keys and values must all be fp32 or all fp16")
             dims += [m, k.shape[1], k.stride(0), mask.stride(0), row]
             row += m
         out = torch.empty_like(q)
@@ -129,7 +132,7 @@ class Kernel:
         ptrs = lambda ts: (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
         self._attn_many(
             q.data_ptr(), ptrs(ks), ptrs(vs), ptrs(masks), (ctypes.c_int64 * len(dims))(*dims), out.data_ptr(),
-            n, h, hkv, d, scale, scratch.data_ptr(), max_t, threads,
+            n, h, hkv, d, scale, scratch.data_ptr(), max_t, threads, int(ks[0].dtype == torch.float16),
         )  # fmt: skip
         return out
 

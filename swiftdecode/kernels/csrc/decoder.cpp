@@ -8,6 +8,7 @@
 // uses, so both forwards return the same bits and only the interpreter is gone.
 #include <stdint.h>
 #include <string.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <vector>
@@ -20,6 +21,7 @@ enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, N_W };  // a layer's projection
 struct DecConfig {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   float eps, scale;
+  int64_t kv_half;  // the caches hold keys/values as fp16 (else fp32)
 };
 
 struct DecLayer {
@@ -32,9 +34,9 @@ struct DecLayer {
 struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound from Python
   void (*rmsnorm)(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps, int nthreads);
   void (*rope)(float* x, const float* cos_, const float* sin_, int64_t q, int64_t heads, int64_t D);
-  void (*attention_many)(const float* q, const float* const* ks, const float* const* vs, const float* const* masks,
+  void (*attention_many)(const float* q, const void* const* ks, const void* const* vs, const float* const* masks,
                          const int64_t* dims, float* out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
-                         float scale, float* scratch, int64_t max_t, int nthreads);
+                         float scale, float* scratch, int64_t max_t, int nthreads, int kv_half);
   void (*silu_mul)(float* g, const float* u, int64_t n, int nthreads);
 };
 
@@ -45,10 +47,23 @@ struct DecSeq {  // a sequence's rows [row0, row0 + rows) and its additive mask 
 };
 
 struct DecKV {  // a (sequence, layer) cache buffer: keys/values [kv_heads, capacity, D], `length` filled
-  float* k;
-  float* v;
+  void* k;  // fp32, or fp16 bits (DecConfig.kv_half)
+  void* v;
   int64_t head_stride, length;
 };
+
+// n values into the cache: copied, or rounded to fp16 (to nearest even, as torch's .half() rounds).
+static void store_kv(void* dst, const float* src, int64_t n, bool half) {
+  if (!half) {
+    memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* d = (uint16_t*)dst;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
 
 static void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] += y[i];
@@ -68,7 +83,9 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
                    int64_t n_layers, const float* q, const float* k, const float* v, float* att, float* scratch,
                    int nthreads) {
   const int64_t D = c.head_dim, KD = c.kv_heads * D;
-  std::vector<const float*> ks(nseq), vs(nseq), masks(nseq);
+  std::vector<const void*> ks(nseq), vs(nseq);
+  std::vector<const float*> masks(nseq);
+  const int64_t elem = c.kv_half ? 2 : 4;
   std::vector<int64_t> dims(5 * nseq);
   int64_t max_t = 0;
   for (int64_t j = 0; j < nseq; j++) {
@@ -77,8 +94,8 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
     for (int64_t r = 0; r < s.rows; r++)
       for (int64_t g = 0; g < c.kv_heads; g++) {
         const int64_t src = (s.row0 + r) * KD + g * D, dst = g * e.head_stride + (e.length + r) * D;
-        memcpy(e.k + dst, k + src, D * sizeof(float));
-        memcpy(e.v + dst, v + src, D * sizeof(float));
+        store_kv((char*)e.k + dst * elem, k + src, D, c.kv_half);
+        store_kv((char*)e.v + dst * elem, v + src, D, c.kv_half);
       }
     ks[j] = e.k, vs[j] = e.v, masks[j] = s.mask;
     const int64_t t = e.length + s.rows;
@@ -87,7 +104,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
     max_t = std::max(max_t, t);
   }
   ops.attention_many(q, ks.data(), vs.data(), masks.data(), dims.data(), att, nseq, c.heads, c.kv_heads, D, c.scale,
-                     scratch, max_t, nthreads);
+                     scratch, max_t, nthreads, (int)c.kv_half);
 }
 
 // x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, head_dim];

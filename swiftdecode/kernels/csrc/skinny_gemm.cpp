@@ -69,6 +69,7 @@ static inline vf vsel_ge0(vf x, vf a, vf b) {  // lanes with x >= 0 take a, the 
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
 }
 static inline void vstore_tail(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a); }
+static inline vf vload_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #define SD_ISA avx512
 #else
 typedef __m256 vf;
@@ -127,6 +128,7 @@ static inline void vstore_tail(float* p, vf a, int n) {
   _mm256_storeu_ps(t, a);
   for (int i = 0; i < n; ++i) p[i] = t[i];
 }
+static inline vf vload_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #define SD_ISA avx2
 #endif
 #define SD_PASTE(a, b) a##_##b
@@ -412,9 +414,20 @@ static inline vf chunk(const float* p, int64_t c, int64_t D) {
   return n == VW ? vload(p + c * VW) : vload_tail(p + c * VW, n);
 }
 
+// Keys/values stored as fp16 (IEEE half bits): each value widened to fp32 exactly, then as above.
+template <int CH>
+static inline vf chunk(const uint16_t* p, int64_t c, int64_t D) {
+  const int n = CH > 0 ? VW : (int)(D - c * VW < VW ? D - c * VW : VW);
+  if (n == VW) return vload_h(p + c * VW);
+  uint16_t t[VW] = {0};
+  for (int i = 0; i < n; ++i) t[i] = p[c * VW + i];
+  return vload_h(t);
+}
+
 // CH > 0: compiled for D = CH * VW (loops unrolled, accumulators in registers); CH = 0: any D, one key at a time.
-template <int HN, int CH>
-static void attend_row(const float* const* qr, const float* kh, int64_t k_st, const float* vh, int64_t v_st,
+// KV: float, or uint16_t for fp16 keys/values.
+template <int HN, int CH, typename KV>
+static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const KV* vh, int64_t v_st,
                        const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D, float scale, float* s,
                        float* const* orow) {
   const int64_t chunks = CH > 0 ? CH : (D + VW - 1) / VW;
@@ -427,7 +440,7 @@ static void attend_row(const float* const* qr, const float* kh, int64_t k_st, co
       vf acc[VW];
 #pragma GCC unroll 16
       for (int j = 0; j < VW; ++j) {
-        const float* kt = kh + vis[i + j] * k_st;
+        const KV* kt = kh + vis[i + j] * k_st;
         acc[j] = vzero();
 #pragma GCC unroll 8
         for (int64_t c = 0; c < chunks; ++c) acc[j] = vfma(chunk<CH>(qr[h], c, D), chunk<CH>(kt, c, D), acc[j]);
@@ -474,7 +487,7 @@ static void attend_row(const float* const* qr, const float* kh, int64_t k_st, co
     for (int h = 0; h < HN; ++h)
       for (int c = 0; c < 4; ++c) o[h][c] = vzero();
     for (int64_t i = 0; i < nv; ++i) {
-      const float* vt = vh + vis[i] * v_st;
+      const KV* vt = vh + vis[i] * v_st;
       if (c0 == 0)
         for (int h = 0; h < HN; ++h) denom[h] += s[h * T + i];
       vf p[HN];
@@ -496,15 +509,15 @@ static void attend_row(const float* const* qr, const float* kh, int64_t k_st, co
   }
 }
 
-template <int CH>
-static inline void attend_heads(int64_t hn, const float* const* qr, const float* kh, int64_t k_st, const float* vh,
+template <int CH, typename KV>
+static inline void attend_heads(int64_t hn, const float* const* qr, const KV* kh, int64_t k_st, const KV* vh,
                                 int64_t v_st, const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D,
                                 float scale, float* s, float* const* orow) {
   switch (hn) {
-    case 4: attend_row<4, CH>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-    case 3: attend_row<3, CH>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-    case 2: attend_row<2, CH>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
-    default: attend_row<1, CH>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    case 4: attend_row<4, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    case 3: attend_row<3, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    case 2: attend_row<2, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
+    default: attend_row<1, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow); break;
   }
 }
 
@@ -515,8 +528,9 @@ static inline void attend_heads(int64_t hn, const float* const* qr, const float*
 // mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
 // out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
 // One attention work item: query row m of heads h0.. (up to HB sharing key/value head g) against its visible keys.
-static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
-                               const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
+template <typename KV>
+static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const KV* k, int64_t k_sh, int64_t k_st,
+                               const KV* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
                                float* out, int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale,
                                float* s, int64_t g, int64_t sb, int64_t m) {
   const int64_t group = H / Hkv;
@@ -532,7 +546,7 @@ static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const
     qr[h] = q + (h0 + h) * q_sh + m * q_sm;
     orow[h] = out + (m * H + h0 + h) * D;
   }
-  const float *kh = k + g * k_sh, *vh = v + g * v_sh;
+  const KV *kh = k + g * k_sh, *vh = v + g * v_sh;
   if (D == 4 * VW) attend_heads<4>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else if (D == 8 * VW) attend_heads<8>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else if (D == 16 * VW) attend_heads<16>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
@@ -554,12 +568,13 @@ extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float*
 // Attention of several sequences in one parallel pass (continuous batching). Queries q [R, H, D] and output
 // out [R, H, D] hold the sequences' rows one after another: sequence i owns rows dims[5i+4] .. + M_i (M_i =
 // dims[5i]), attends to its own keys/values ks[i]/vs[i] [Hkv, *, D] (head stride dims[5i+2], key stride D,
-// T_i = dims[5i+1] keys) under its additive mask masks[i] [M_i, T_i] (row stride dims[5i+3]). Every item is
-// computed exactly as sd_attention computes it for that sequence alone.
-extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const float* const* ks, const float* const* vs,
+// T_i = dims[5i+1] keys; fp32, or fp16 bits when kv_half) under its additive mask masks[i] [M_i, T_i] (row
+// stride dims[5i+3]). Every item is computed exactly as sd_attention computes it for that sequence alone (with
+// fp16 keys/values: as it computes it on those values widened to fp32).
+extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void* const* ks, const void* const* vs,
                                                    const float* const* masks, const int64_t* dims, float* out,
                                                    int64_t nseq, int64_t H, int64_t Hkv, int64_t D, float scale,
-                                                   float* scratch, int64_t max_t, int nthreads) {
+                                                   float* scratch, int64_t max_t, int nthreads, int kv_half) {
   const int64_t subs = (H / Hkv + HB - 1) / HB;
   std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
@@ -569,8 +584,13 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const float
     while (it >= first[i + 1]) ++i;
     const int64_t* di = dims + 5 * i;
     const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
-    attend_item(q + di[4] * H * D, D, H * D, ks[i], di[2], D, vs[i], di[2], D, masks[i], di[3], out + di[4] * H * D,
-                H, Hkv, M, di[1], D, scale, scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t, g, sb, m);
+    float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t;
+    if (kv_half)
+      attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2], D,
+                  masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+    else
+      attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
+                  masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
   }
 }
 
