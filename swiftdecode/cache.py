@@ -2,12 +2,16 @@
 
 Every layer holds keys/values of shape [batch, heads, capacity, head_dim]; `keys`/`values` are views of the first
 `length` slots. Layers may differ in length while a draft skips their attention; `truncate` brings them back.
+A cache's per-layer buffer addresses and lengths live in one native table (`SwiftCache.table`), which the native
+layer loop reads and advances itself: a forward costs no Python work per layer.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from swiftdecode.kernels.decoder import KVEntry
 
 
 def _filled(buffer: str) -> property:
@@ -30,11 +34,28 @@ class BufferLayer(DynamicLayer):
     """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
     unless an append needs more; appends copy only the new entries."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, entry: KVEntry | None = None):
+        self.entry = entry if entry is not None else KVEntry()  # buffer addresses, head stride, length
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         super().__init__()
         self.limit = limit
+
+    @property
+    def length(self) -> int:
+        return self.entry.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.entry.length = n
+
+    @property
+    def capacity(self) -> int:
+        return self._k.shape[2] if self._k is not None else 0
+
+    def _bind(self) -> None:
+        """Point the native entry at the (new) buffers."""
+        self.entry.k, self.entry.v, self.entry.head_stride = self._k.data_ptr(), self._v.data_ptr(), self._k.stride(1)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         shape = key_states.shape
@@ -45,6 +66,7 @@ class BufferLayer(DynamicLayer):
         n = max(min(256, self.limit or 256), entries)
         self._k = torch.empty((*lead, n, dim), dtype=dtype, device=device)
         self._v = torch.empty((*lead, n, dim), dtype=dtype, device=device)
+        self._bind()
         self.length = 0
         self.is_initialized = True
 
@@ -58,6 +80,7 @@ class BufferLayer(DynamicLayer):
             grow = max(end, doubled) - self._k.shape[2]
             self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2)
             self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2)
+            self._bind()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -69,16 +92,12 @@ class BufferLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
-    def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-        """Room for n more entries (CPU buffers [1, heads, ·, dim] of `dtype`) for a native writer: returns
-        (keys address, values address, head stride, length); `extend(n)` then counts what it wrote."""
+    def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+        """Room for n more entries (CPU buffers [1, heads, ·, dim] of `dtype`) for a native writer, which writes
+        them at `entry` and advances its length."""
         if not self.is_initialized:
             self._allocate((1, heads), n, dim, dtype, torch.device("cpu"))
         self._room(self.length + n)
-        return self._k.data_ptr(), self._v.data_ptr(), self._k.stride(1), self.length
-
-    def extend(self, n: int) -> None:
-        self.length += n
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -110,11 +129,21 @@ class SwiftCache(Cache):
     up front."""
 
     def __init__(self, num_layers: int, limit: int | None = None):
-        super().__init__(layers=[BufferLayer(limit) for _ in range(num_layers)])
+        self.table = (KVEntry * num_layers)()  # the layers' native entries, in layer order
+        super().__init__(layers=[BufferLayer(limit, self.table[i]) for i in range(num_layers)])
+        self._room = 0  # every layer's buffer holds at least this many entries (a lower bound: buffers only grow)
 
     @property
     def length(self) -> int:
         return self.layers[0].get_seq_length()
+
+    def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+        """Room for n more entries in every layer (each at most layer 0's length) for the native layer loop;
+        O(1) while the buffers have room."""
+        if self.length + n > self._room:
+            for layer in self.layers:
+                layer.reserve(n, heads, dim, dtype)
+            self._room = min(layer.capacity for layer in self.layers)
 
     def truncate(self, length: int) -> None:
         """Drop every entry at index ≥ length (e.g. all a draft wrote)."""

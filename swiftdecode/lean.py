@@ -136,25 +136,19 @@ class LeanDecoder:
         return self._fused[1]
 
     def _run_native(self, fused: FusedDecoder, x, cos, sin, masks, caches, skip, kernel) -> None:
-        """All layers on x in place, through the native loop; the caches gain the rows of every layer that ran."""
+        """All layers on x in place, through the native loop; the caches gain the rows of every layer that ran
+        (the loop advances their lengths in the caches' native tables)."""
         flags = bytes(
             (SKIP_ATTN if i in skip.attn else 0) | (SKIP_MLP if i in skip.mlp else 0) for i in range(len(self.layers))
         )
-        seqs, kv, row, max_t, dtype = [], [], 0, 1, self.kv_dtype or x.dtype
+        seqs, row, max_t, dtype = [], 0, 1, self.kv_dtype or x.dtype
         for cache, mask in zip(caches, masks, strict=True):
             rows = len(mask)
             seqs.append((rows, row, mask))
             row += rows
-            for layer, flag in zip(cache.layers, flags, strict=True):
-                skipped = flag & SKIP_ATTN
-                entry = (None, None, 0, 0) if skipped else layer.reserve(rows, self.kv_heads, self.head_dim, dtype)
-                kv.append(entry)
-                max_t = max(max_t, entry[3] + rows)
-        fused.run(x, cos, sin, flags, seqs, kv, kernel.attention_scratch(max_t))
-        for cache, mask in zip(caches, masks, strict=True):
-            for layer, flag in zip(cache.layers, flags, strict=True):
-                if not flag & SKIP_ATTN:
-                    layer.extend(len(mask))
+            cache.reserve(rows, self.kv_heads, self.head_dim, dtype)
+            max_t = max(max_t, cache.length + rows)  # layer 0 (never skipped) is the longest
+        fused.run(x, cos, sin, flags, seqs, [c.table for c in caches], kernel.attention_scratch(max_t))
 
 
 def _plan(linears: tuple) -> Plan | None:

@@ -37,7 +37,9 @@ class _Seq(ctypes.Structure):
     _fields_ = [("rows", _I), ("row0", _I), ("mask", _P), ("mask_stride", _I)]
 
 
-class _KV(ctypes.Structure):
+class KVEntry(ctypes.Structure):
+    """csrc DecKV: one (sequence, layer) cache buffer's keys/values addresses, head stride and filled length."""
+
     _fields_ = [("k", _P), ("v", _P), ("head_stride", _I), ("length", _I)]
 
 
@@ -76,14 +78,15 @@ class FusedDecoder:
         self._fn.argtypes = [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
         self._fn.restype = None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: bytes, seqs: list, kv: list,
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: bytes, seqs: list, tables: list,
             scratch: torch.Tensor) -> None:  # fmt: skip
         """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, head_dim]; skip: a flag
-        byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; kv: (keys, values,
-        head stride, length) per (sequence, layer), sequence-major, each buffer [kv_heads, capacity, head_dim]
-        with room for the sequence's rows where the layer's attention runs; scratch: the attention's."""
+        byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; tables: per sequence its
+        cache's KVEntry array (one per layer; buffers [kv_heads, capacity, head_dim] with room for the
+        sequence's rows), whose lengths the loop advances where a layer's attention runs; scratch: the
+        attention's."""
         seq_arr = (_Seq * len(seqs))(*(_Seq(rows, row0, m.data_ptr(), m.stride(0)) for rows, row0, m in seqs))
-        kv_arr = (_KV * len(kv))(*(_KV(*e) for e in kv))
+        kv_arr = (_P * len(tables))(*(ctypes.addressof(t) for t in tables))
         self._fn(
             ctypes.byref(self.config), self.table, self.n_layers, skip, ctypes.byref(self.ops), x.data_ptr(),
             x.shape[0], cos.data_ptr(), sin.data_ptr(), seq_arr, len(seqs), kv_arr, scratch.data_ptr(),

@@ -77,10 +77,10 @@ static void project(const DecLayer& L, const int* which, int n, const float* in,
   SD_QNAME(sd_qlinear, SD_QISA)(w, b, out, n, in, R, nthreads);
 }
 
-// Appends each sequence's new keys/values to its cache and runs attention of all rows; q [R, heads * D] in,
-// att [R, heads * D] out. kv: this layer's entries, one per sequence (stride n_layers).
-static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, const DecKV* kv,
-                   int64_t n_layers, const float* q, const float* k, const float* v, float* att, float* scratch,
+// Appends each sequence's new keys/values to its cache (advancing the entry's length) and runs attention of all
+// rows; q [R, heads * D] in, att [R, heads * D] out. kv[j][l]: sequence j's entry of this layer l.
+static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, DecKV* const* kv,
+                   int64_t l, const float* q, const float* k, const float* v, float* att, float* scratch,
                    int nthreads) {
   const int64_t D = c.head_dim, KD = c.kv_heads * D;
   std::vector<const void*> ks(nseq), vs(nseq);
@@ -89,7 +89,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
   std::vector<int64_t> dims(5 * nseq);
   int64_t max_t = 0;
   for (int64_t j = 0; j < nseq; j++) {
-    const DecKV& e = kv[j * n_layers];
+    DecKV& e = kv[j][l];
     const DecSeq& s = seqs[j];
     for (int64_t r = 0; r < s.rows; r++)
       for (int64_t g = 0; g < c.kv_heads; g++) {
@@ -99,6 +99,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
       }
     ks[j] = e.k, vs[j] = e.v, masks[j] = s.mask;
     const int64_t t = e.length + s.rows;
+    e.length = t;
     int64_t* d = dims.data() + 5 * j;
     d[0] = s.rows, d[1] = t, d[2] = e.head_stride, d[3] = s.mask_stride, d[4] = s.row0;
     max_t = std::max(max_t, t);
@@ -108,12 +109,12 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
 }
 
 // x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, head_dim];
-// skip [n_layers] flags; kv [nseq * n_layers] (sequence-major); scratch: attention's, for the longest cache.
-// Skipped sublayers neither run nor touch their cache; the caller advances the lengths of those that ran.
+// skip [n_layers] flags; kv[j]: sequence j's entries, one per layer; scratch: attention's, for the longest cache.
+// Skipped sublayers neither run nor touch their cache; the layers whose attention ran advance their lengths.
 extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer* layers, int64_t n_layers,
                                               const uint8_t* skip, const DecOps* ops, float* x, int64_t R,
                                               const float* cos_, const float* sin_, const DecSeq* seqs, int64_t nseq,
-                                              const DecKV* kv, float* scratch, int nthreads) {
+                                              DecKV* const* kv, float* scratch, int nthreads) {
   const int64_t H = c->hidden, QD = c->heads * c->head_dim, KD = c->kv_heads * c->head_dim, I = c->inter;
   std::vector<float> h(R * H), q(R * QD), k(R * KD), v(R * KD), att(R * QD), o(R * H), g(R * I), u(R * I);
   static const int QKV[3] = {W_Q, W_K, W_V}, O[1] = {W_O}, GATE_UP[2] = {W_GATE, W_UP}, DOWN[1] = {W_DOWN};
@@ -125,7 +126,7 @@ extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer
       project(L, QKV, 3, h.data(), qkv, R, nthreads);
       ops->rope(q.data(), cos_, sin_, R, c->heads, c->head_dim);
       ops->rope(k.data(), cos_, sin_, R, c->kv_heads, c->head_dim);
-      attend(*c, *ops, seqs, nseq, kv + l, n_layers, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
+      attend(*c, *ops, seqs, nseq, kv, l, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
       float* out[1] = {o.data()};
       project(L, O, 1, att.data(), out, R, nthreads);
       add_into(x, o.data(), R * H);
