@@ -131,7 +131,7 @@ class SwiftCache(Cache):
     def __init__(self, num_layers: int, limit: int | None = None):
         self.table = (KVEntry * num_layers)()  # the layers' native entries, in layer order
         super().__init__(layers=[BufferLayer(limit, self.table[i]) for i in range(num_layers)])
-        self._room = 0  # every layer's buffer holds at least this many entries (a lower bound: buffers only grow)
+        self._min_capacity = 0  # every layer's buffer holds at least this many entries (buffers only grow)
 
     @property
     def length(self) -> int:
@@ -140,10 +140,10 @@ class SwiftCache(Cache):
     def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> None:
         """Room for n more entries in every layer (each at most layer 0's length) for the native layer loop;
         O(1) while the buffers have room."""
-        if self.length + n > self._room:
+        if self.length + n > self._min_capacity:
             for layer in self.layers:
                 layer.reserve(n, heads, dim, dtype)
-            self._room = min(layer.capacity for layer in self.layers)
+            self._min_capacity = min(layer.capacity for layer in self.layers)
 
     def truncate(self, length: int) -> None:
         """Drop every entry at index ≥ length (e.g. all a draft wrote)."""
