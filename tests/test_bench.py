@@ -139,6 +139,12 @@ def test_summary_counts_every_mismatch():
     assert pld["by_category"]["math"]["speedup_vs_ar"] == pytest.approx(4.0)
 
 
+def test_sampling_outputs_are_checked_against_ar():
+    assert summary.lossless_reference(["hf", "ar", "swift"], 0.7) == "ar"
+    assert summary.lossless_reference(["hf", "swift"], 0.7) is None  # HF's samples are its own
+    assert summary.lossless_reference(["hf", "ar"], 0.0) == "ar" and summary.lossless_reference(["hf"], 0.0) == "hf"
+
+
 def test_cut_at_eos():
     assert cut_at_eos([5, 6, 2, 7], {2}) == [5, 6]
     assert cut_at_eos([5, 6], {2}) == [5, 6]

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="at most N prompts per category (evenly spaced in file order)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check applies)")
+    sampled = "> 0: sampled, one seed per prompt for all methods (lossless: equal to ar's output)"
+    parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {sampled}")
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
