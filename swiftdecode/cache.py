@@ -34,8 +34,8 @@ class BufferLayer(DynamicLayer):
     """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
     unless an append needs more; appends copy only the new entries."""
 
-    def __init__(self, limit: int | None = None, entry: KVEntry | None = None):
-        self.entry = entry if entry is not None else KVEntry()  # buffer addresses, head stride, length
+    def __init__(self, limit: int | None, entry: KVEntry):
+        self.entry = entry  # buffer addresses, head stride and length, in its cache's native table
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         super().__init__()

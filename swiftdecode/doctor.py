@@ -138,7 +138,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
     paths = ["torch"] + ([fast_path] if info.path != "torch" else [])
     ms = time_forwards(model, paths, context, repeats)
     info = accelerate(model, fast_path)
-    nbytes = weight_bytes(model)
+    sm, nbytes = SwiftModel(model), weight_bytes(model)
 
     per_path = {
         ("torch" if p == "torch" else info.path): {
@@ -159,8 +159,8 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "reason": info.reason,
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
-        "layers": SwiftModel(model).layer_loop(),
-        "kv_bytes_per_token": SwiftModel(model).kv_bytes_per_token(),
+        "layers": sm.layer_loop(),
+        "kv_bytes_per_token": sm.kv_bytes_per_token(),
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],

@@ -53,11 +53,11 @@ class LeanDecoder:
             for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)
         ]
         self._fused: tuple[object, FusedDecoder] | None = None  # (fp32 kernel it is bound to, the native loop)
-        quantized = all(isinstance(m, QuantLinear) for layer in self.layers for m in _linears(layer))
+        self.quantized = all(isinstance(m, QuantLinear) for layer in self.layers for m in _linears(layer))
         # On quantized weights the caches hold fp16 keys/values (as llama.cpp's do): half the bytes each row's
         # attention reads, which for a small model's batch of requests is as much as the 4-bit weights. A float
         # model keeps its activations' dtype (so the fp32 path still agrees with transformers).
-        self.kv_dtype = torch.float16 if quantized else None
+        self.kv_dtype = torch.float16 if self.quantized else None
 
     def forward(
         self,
@@ -103,9 +103,9 @@ class LeanDecoder:
         q, k, v = (t.view(rows, -1, d) for t in _project(h, (attn.q_proj, attn.k_proj, attn.v_proj), self.plans[i][0]))
         q, k = kernel.rope(q.contiguous(), cos, sin), kernel.rope(k.contiguous(), cos, sin)
         sizes = [len(m) for m in masks]
-        to = (lambda t: t.to(self.kv_dtype)) if self.kv_dtype is not None else (lambda t: t)
+        dtype = self.kv_dtype or k.dtype
         kv = [
-            cache.layers[i].update(to(kj.transpose(0, 1)[None]), to(vj.transpose(0, 1)[None]))
+            cache.layers[i].update(kj.transpose(0, 1)[None].to(dtype), vj.transpose(0, 1)[None].to(dtype))
             for kj, vj, cache in zip(k.split(sizes), v.split(sizes), caches, strict=True)
         ]
         out = kernel.attention_many(q, [k[0] for k, _ in kv], [v[0] for _, v in kv], masks, sizes, self.scale)
@@ -116,7 +116,7 @@ class LeanDecoder:
         if self._fused is None or self._fused[0] is not kernel:
             linears = [_linears(layer) for layer in self.layers]
             fused = None
-            if hasattr(kernel, "addresses") and all(isinstance(m, QuantLinear) for ms in linears for m in ms):
+            if hasattr(kernel, "addresses") and self.quantized:
                 weights = [
                     LayerWeights(
                         tuple(m.qweight for m in ms), tuple(m.bias for m in ms),
