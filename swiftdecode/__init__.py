@@ -26,7 +26,9 @@ def load(
     matmul path installed (`fast_path="torch"` keeps torch's own attention and float matmuls).
 
     weights="gguf" (default): a model that comes as a GGUF computes from its own quantized blocks (the
-    qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32."""
+    qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32.
+    fast_path "skinny-avx2" / "skinny-avx512" picks that ISA's build of every kernel, the quantized ones
+    included (their results are the same bits on both: only the speed differs)."""
     from swiftdecode.fastpath import accelerate
     from swiftdecode.hub import WEIGHTS, load_model, locate_gguf
 
@@ -36,12 +38,13 @@ def load(
     if files is None:
         model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, progress=progress)
     else:
-        model, tokenizer = _load_quantized(*files, progress)
+        isa = fast_path.removeprefix("skinny-") if fast_path.startswith("skinny-") else None
+        model, tokenizer = _load_quantized(*files, progress, isa)
     accelerate(model, mode=fast_path)  # leaves its kernel and state in model.fast_path
     return model, tokenizer
 
 
-def _load_quantized(gguf, folder, progress: bool):
+def _load_quantized(gguf, folder, progress: bool, isa: str | None):
     from transformers import AutoTokenizer
 
     from swiftdecode.kernels.build import KernelUnavailable
@@ -49,7 +52,8 @@ def _load_quantized(gguf, folder, progress: bool):
     from swiftdecode.quantized import build
 
     try:
-        kernel = load_qkernel()
+        kernel = load_qkernel(isa)
     except KernelUnavailable as e:
-        raise UserError(f"quantized weights need the qgemm kernel ({e}); use --weights fp32") from None
+        hint = "choose another --fast-path" if isa else "use --weights fp32"
+        raise UserError(f"quantized weights need the qgemm kernel ({e}); {hint}") from None
     return build(gguf, folder, kernel, progress), AutoTokenizer.from_pretrained(folder)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, replace
 
 from swiftdecode.errors import UserError
 
+# CPU paths of the fast kernels (fastpath.accelerate): "auto" picks the best this CPU runs (else torch), "skinny"
+# insists on a kernel, "skinny-<isa>" runs that ISA's build of every kernel, the quantized ones included.
+FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
+FAST_PATH_HELP = "CPU kernel path: auto (default), torch, skinny, skinny-avx512 or skinny-avx2 (that ISA's build)"
+
 # decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
 METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
 # Kinds of decoding round (see scheduler.RoundScheduler), in the order they are first tried: "ngram" = the n-gram

@@ -217,8 +217,10 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
+    load_path = args.fast_path if args.fast_path.startswith("skinny-") else "torch"
     model, _ = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path="torch", weights=args.weights, progress=not args.json
+        args.model, cache_dir=args.cache_dir, fast_path=load_path, weights=args.weights, progress=not args.json
     )
     d = diagnose(model, args.fast_path, args.context, args.repeats)
     print(json.dumps(d, indent=2) if args.json else format_report(d))

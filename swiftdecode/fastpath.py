@@ -28,13 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftdecode.config import FAST_PATHS as MODES
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.build import KernelUnavailable
 from swiftdecode.kernels.fp32 import Kernel, load_kernel
 from swiftdecode.kernels.modules import QuantLinear
-
-MODES = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
-
 
 # Activation-sparse drafting (MLP inputs): level -> (fraction of gate/up inputs, fraction of down inputs) that a
 # draft forward treats as zero, the smallest in magnitude. Level 0 is dense.

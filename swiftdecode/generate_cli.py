@@ -7,6 +7,7 @@ import json
 import sys
 
 from swiftdecode import METHODS
+from swiftdecode.config import FAST_PATH_HELP
 from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 
@@ -23,7 +24,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--fast-path", default="auto", help="CPU matmul path: auto (default), torch, ...")
+    p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -89,3 +89,21 @@ def test_float_projections_keep_the_python_loop(smollm_fp32):
     if kernel is None:
         pytest.skip("fast path unavailable here")
     assert sm.lean._native(kernel) is None
+
+
+def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm):
+    """fast_path "skinny-avx2" (what an AVX2-only CPU runs) also picks the quantized kernel's AVX2 build, and a
+    whole quantized model's logits are the same bits as on the AVX-512 path: outputs do not depend on the CPU."""
+    import swiftdecode
+    from swiftdecode.kernels.modules import QuantLinear
+
+    if "avx2" not in {k.isa for k in _kernels()}:
+        pytest.skip("no AVX2 build runs here")
+    model, _ = swiftdecode.load("smollm2-135m", fast_path="skinny-avx2", progress=False)
+    assert {m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear)} == {"avx2"}
+    assert model.fast_path.kernel.isa == "avx2"
+    outs = []
+    for m in (smollm[0], model):
+        sm = SwiftModel(m)
+        outs.append(sm.logits(sm.prefill(list(range(300, 340)))))
+    assert torch.equal(outs[0], outs[1])

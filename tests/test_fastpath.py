@@ -146,6 +146,26 @@ def test_fp16_keys_and_values_are_widened_exactly(any_kernel, d):
         any_kernel.attention_many(q, [ks[0], ks[1].float()], vs, masks, [3, 2], d**-0.5)
 
 
+@pytest.mark.parametrize("d", [24, 40, 64, 72, 128])  # whole 16-lane chunks, and 8-wide halves past them
+def test_attention_is_the_same_bits_on_every_isa_build(d):
+    """Scores are summed in 16 lanes on every build, so AVX2 and AVX-512 machines compute the same attention."""
+    builds = []
+    for isa in sorted(fp32.ISA_FLAGS):
+        try:
+            builds.append(load_kernel(isa))
+        except KernelUnavailable:
+            pass
+    if len(builds) < 2:
+        pytest.skip("this CPU runs one ISA build only")
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(4, 6, d, generator=g)
+    for dtype in (torch.float32, torch.float16):
+        k, v = (torch.randn(2, 53, d, generator=g).to(dtype) for _ in range(2))  # 53 keys: 16-key blocks and a tail
+        mask = torch.zeros(4, 53).masked_fill_(torch.rand(4, 53, generator=g) > 0.7, float("-inf"))
+        outs = [b.attention_many(q, [k], [v], [mask], [4], d**-0.5) for b in builds]
+        assert all(torch.equal(o, outs[0]) for o in outs), f"ISA builds differ at d={d}, {dtype}"
+
+
 def test_attention_is_invariant_to_rows_and_masked_keys(kernel):
     """A row's output depends only on its visible keys in order: not on other rows or masked keys between."""
     g = torch.Generator().manual_seed(2)

@@ -11,6 +11,7 @@ from swiftdecode.bench.methods import DEFAULT_METHODS, ENGINE_METHODS, METHODS, 
 from swiftdecode.bench.report import overall_table, sources_table, write_outputs
 from swiftdecode.bench.stream import WARMUP_TEXTS, run_stream
 from swiftdecode.bench.summary import env_info, summarize
+from swiftdecode.config import FAST_PATH_HELP
 from swiftdecode.data import Prompt, load_prompts
 from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed generations per method before timing")
     parser.add_argument("--draft-model", help="draft model for the draft-model method")
-    parser.add_argument("--fast-path", default="auto", help="CPU matmul path of our engine: auto, torch, ...")
+    parser.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
     parser.add_argument(
         "--hf-fast-path",
         action="store_true",

@@ -57,6 +57,12 @@ def kernel_dir() -> Path:
     return resolve_cache_dir() / "kernels"
 
 
+# Written float expressions (a * b + c in plain C) are evaluated as written on every build: the compiler may not
+# fuse them into FMAs, which it otherwise does where the vectorised loop happens to allow, so builds for
+# different ISAs (and compilers) could round differently. Explicit FMA intrinsics are unaffected.
+COMMON_FLAGS = ["-ffp-contract=off"]
+
+
 def build(sources: Path | list[Path], name: str, flags: list[str], out_dir: Path | None = None) -> Path:
     """Compile `sources` (one library) with `flags` into `<out_dir>/<name>_<key>.so`, cached by the sources, the
     headers beside them, the flags and the compiler; KernelUnavailable on failure."""
@@ -65,7 +71,7 @@ def build(sources: Path | list[Path], name: str, flags: list[str], out_dir: Path
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH")
-    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *flags]
+    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *COMMON_FLAGS, *flags]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 
+from swiftdecode.config import FAST_PATH_HELP
 from swiftdecode.errors import UserError
 from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_argument(parser)
     parser.add_argument("--method", default="swift", choices=METHODS, help="decoding method (default: swift)")
-    parser.add_argument("--fast-path", default="auto", help="CPU matmul path: auto (default), torch, ...")
+    parser.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(

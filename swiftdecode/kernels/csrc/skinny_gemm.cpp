@@ -401,17 +401,27 @@ static inline vf vexp(vf x) {
 }
 
 #define HB 4  // query heads (sharing one key/value head) computed together: key and value loads are shared
+#define SCORE_LANES 16            // lanes of an attention score's dot product, on every build
+#define SPLIT (SCORE_LANES / VW)  // vectors per score accumulator: 1 (AVX-512), 2 (AVX2)
+
+// The SPLIT accumulators of one score, as one vector of VW lanes: lane j + lane j + 8 (the 16-lane tree's first
+// level) on AVX2, the accumulator itself on AVX-512.
+static inline vf score_lanes(const vf* part) { return SPLIT == 1 ? part[0] : vadd(part[0], part[SPLIT - 1]); }
 
 // Attention for HN <= HB heads sharing k/v and one query row, over its nv visible keys vis[0..nv) in key order.
 // s, p: scratch [HB][T]. Per head: score s_t = fma(lane-sum(q . k_t over head-dim chunks in order), scale, mask_t),
-// the lane sums taken VW visible keys at a time (vsums, when D is whole chunks: CH > 0) and then one by one;
+// the lane sums taken VW visible keys at a time (vsums, when D is whole chunks: CH > 0) and then one by one.
+// The dot product runs in 16 lanes on every build (lane j: elements j, j + 16, ... in order): the AVX2 build
+// keeps SPLIT = 2 accumulators, for its even and odd 8-wide chunks, and adds them before its 8-lane tree, which
+// is the first level of the 16-lane tree. So scores, and with them whole quantized models, are the same bits on
+// AVX2 and AVX-512 machines (everything after the scores is lane-wise or a scalar chain);
 // p_t = exp(s_t - max); denom and output are sums over the visible keys in key order (one scalar chain for
 // the denominator, one vector chain per head-dim chunk). Nothing depends on other heads, rows or masked keys.
 template <int CH>  // chunk c of a head-dim vector: whole when D = CH * VW (CH > 0), else with a masked tail
 static inline vf chunk(const float* p, int64_t c, int64_t D) {
   if constexpr (CH > 0) return vload(p + c * VW);
   const int n = (int)(D - c * VW < VW ? D - c * VW : VW);
-  return n == VW ? vload(p + c * VW) : vload_tail(p + c * VW, n);
+  return n == VW ? vload(p + c * VW) : n > 0 ? vload_tail(p + c * VW, n) : vzero();
 }
 
 // Keys/values stored as fp16 (IEEE half bits): each value widened to fp32 exactly, then as above.
@@ -431,6 +441,8 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
                        const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D, float scale, float* s,
                        float* const* orow) {
   const int64_t chunks = CH > 0 ? CH : (D + VW - 1) / VW;
+  static_assert(CH % SPLIT == 0, "whole head-dim chunks fill whole 16-lane score accumulators");
+  const int64_t dot_chunks = CH > 0 ? CH : (D + SCORE_LANES - 1) / SCORE_LANES * SPLIT;  // past D: zero lanes
   float mx[HN];
   vf mxv[HN];
   for (int h = 0; h < HN; ++h) mx[h] = -INFINITY, mxv[h] = vset1(-INFINITY);
@@ -441,9 +453,12 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
 #pragma GCC unroll 16
       for (int j = 0; j < VW; ++j) {
         const KV* kt = kh + vis[i + j] * k_st;
-        acc[j] = vzero();
+        vf part[SPLIT];
+        for (int p = 0; p < SPLIT; ++p) part[p] = vzero();
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; ++c) acc[j] = vfma(chunk<CH>(qr[h], c, D), chunk<CH>(kt, c, D), acc[j]);
+        for (int64_t c = 0; c < chunks; ++c)
+          part[c % SPLIT] = vfma(chunk<CH>(qr[h], c, D), chunk<CH>(kt, c, D), part[c % SPLIT]);
+        acc[j] = score_lanes(part);
       }
       const vf sc = vfma(vsums(acc), vset1(scale), mr ? vgather(mr, vis + i) : vzero());
       vstore(s + h * T + i, sc);
@@ -456,15 +471,16 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
   }
   for (; i < nv; ++i) {  // the rest one key at a time
     const int64_t t = vis[i];
-    vf acc[HN];
-    for (int h = 0; h < HN; ++h) acc[h] = vzero();
+    vf part[HN][SPLIT];
+    for (int h = 0; h < HN; ++h)
+      for (int p = 0; p < SPLIT; ++p) part[h][p] = vzero();
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < dot_chunks; ++c) {
       const vf kv = chunk<CH>(kh + t * k_st, c, D);
-      for (int h = 0; h < HN; ++h) acc[h] = vfma(chunk<CH>(qr[h], c, D), kv, acc[h]);
+      for (int h = 0; h < HN; ++h) part[h][c % SPLIT] = vfma(chunk<CH>(qr[h], c, D), kv, part[h][c % SPLIT]);
     }
     for (int h = 0; h < HN; ++h) {
-      const float sc = fmaf(vsum(acc[h]), scale, mr ? mr[t] : 0.0f);  // as the lanes above: one rounding
+      const float sc = fmaf(vsum(score_lanes(part[h])), scale, mr ? mr[t] : 0.0f);  // as above: one rounding
       s[h * T + i] = sc;
       mx[h] = sc > mx[h] ? sc : mx[h];
     }
