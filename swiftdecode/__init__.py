@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from swiftdecode.config import METHODS
+from swiftdecode.config import METHODS, isa_of
 from swiftdecode.errors import UserError
 
 __version__ = "0.1.0"
@@ -38,8 +38,7 @@ def load(
     if files is None:
         model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, progress=progress)
     else:
-        isa = fast_path.removeprefix("skinny-") if fast_path.startswith("skinny-") else None
-        model, tokenizer = _load_quantized(*files, progress, isa)
+        model, tokenizer = _load_quantized(*files, progress, isa_of(fast_path))
     accelerate(model, mode=fast_path)  # leaves its kernel and state in model.fast_path
     return model, tokenizer
 

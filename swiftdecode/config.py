@@ -13,6 +13,12 @@ from swiftdecode.errors import UserError
 FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
 FAST_PATH_HELP = "CPU kernel path: auto (default), torch, skinny, skinny-avx512 or skinny-avx2 (that ISA's build)"
 
+
+def isa_of(fast_path: str) -> str | None:
+    """The kernel ISA a fast path names ("skinny-avx2" -> "avx2"), or None (the best this CPU runs)."""
+    return fast_path.removeprefix("skinny-") if fast_path.startswith("skinny-") else None
+
+
 # decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
 METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
 # Kinds of decoding round (see scheduler.RoundScheduler), in the order they are first tried: "ngram" = the n-gram

@@ -14,6 +14,7 @@ import re
 import statistics
 import time
 
+from swiftdecode.config import isa_of
 from swiftdecode.errors import UserError
 
 KS = (1, 2, 4, 8, 16)
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
-    load_path = args.fast_path if args.fast_path.startswith("skinny-") else "torch"
+    load_path = args.fast_path if isa_of(args.fast_path) else "torch"
     model, _ = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=load_path, weights=args.weights, progress=not args.json
     )

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftdecode.config import FAST_PATHS as MODES
+from swiftdecode.config import isa_of
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.build import KernelUnavailable
 from swiftdecode.kernels.fp32 import Kernel, load_kernel
@@ -233,7 +234,7 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
     if not quant and not any(w.dtype == torch.float32 for w in weights):
         return _unavailable(mode, f"weights are {weights[0].dtype}; the kernel is float32 only")
     try:
-        kernel = load_kernel(mode.removeprefix("skinny-") if mode.startswith("skinny-") else None)
+        kernel = load_kernel(isa_of(mode))
     except KernelUnavailable as e:
         return _unavailable(mode, str(e))
     sparsity = Sparsity()

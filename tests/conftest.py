@@ -42,6 +42,20 @@ def gemma():
 
 
 @pytest.fixture(scope="session")
+def fp32_builds():
+    """Every build of the fp32 kernel library this CPU runs (AVX-512 and AVX2 on a Zen 4/5), widest first."""
+    from swiftdecode.kernels.fp32 import ISA_FLAGS, KernelUnavailable, load_kernel
+
+    out = []
+    for isa in sorted(ISA_FLAGS):
+        try:
+            out.append(load_kernel(isa))
+        except KernelUnavailable:
+            pass
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm_fp32():
     """(model, tokenizer) of SmolLM2-135M-Instruct dequantised to float32 (`--weights fp32`), fast path."""
     import swiftdecode

@@ -7,25 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from swiftdecode.cache import SwiftCache
-from swiftdecode.kernels import fp32
-from swiftdecode.kernels.fp32 import KernelUnavailable, load_kernel
 from swiftdecode.model import SwiftModel
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import attention_mask
 
 
-def _kernels():
-    out = []
-    for isa in sorted(fp32.ISA_FLAGS):
-        try:
-            out.append(load_kernel(isa))
-        except KernelUnavailable:
-            pass
-    return out
-
-
-def test_silu_mul_matches_torch_and_every_isa_build_agrees():
-    kernels = _kernels()
+def test_silu_mul_matches_torch_and_every_isa_build_agrees(fp32_builds):
+    kernels = fp32_builds
     if not kernels:
         pytest.skip("no fp32 kernel here")
     g = torch.Generator().manual_seed(3)
@@ -91,13 +79,13 @@ def test_float_projections_keep_the_python_loop(smollm_fp32):
     assert sm.lean._native(kernel) is None
 
 
-def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm):
+def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, fp32_builds):
     """fast_path "skinny-avx2" (what an AVX2-only CPU runs) also picks the quantized kernel's AVX2 build, and a
     whole quantized model's logits are the same bits as on the AVX-512 path: outputs do not depend on the CPU."""
     import swiftdecode
     from swiftdecode.kernels.modules import QuantLinear
 
-    if "avx2" not in {k.isa for k in _kernels()}:
+    if "avx2" not in {k.isa for k in fp32_builds}:
         pytest.skip("no AVX2 build runs here")
     model, _ = swiftdecode.load("smollm2-135m", fast_path="skinny-avx2", progress=False)
     assert {m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear)} == {"avx2"}

@@ -456,7 +456,7 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
         vf part[SPLIT];
         for (int p = 0; p < SPLIT; ++p) part[p] = vzero();
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t c = 0; c < dot_chunks; ++c)
           part[c % SPLIT] = vfma(chunk<CH>(qr[h], c, D), chunk<CH>(kt, c, D), part[c % SPLIT]);
         acc[j] = score_lanes(part);
       }
