@@ -2,17 +2,19 @@
 once, against one client at a time, on the same server (same model, method and batching settings).
 
 Each client streams `/v1/completions` with the prompt's token ids (chat template applied once, as in the bench),
-greedy, and records time to first token (first streamed text), wall time and completion tokens. Reported per
-mode: aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first token,
-mean per-request tokens/s, HTTP 429s, and whether every answer equals the one-client answer to the same prompt.
-The clients run in a process of their own, as a server's clients are other programs: they share the machine's
-cores with the server, not its interpreter lock.
+greedy, over one keep-alive connection of its own (as an OpenAI SDK client does), and records time to first token
+(first streamed text), wall time and completion tokens. Reported per mode: aggregate tokens/s (all completion
+tokens / wall time of the whole replay), p50/p95 time to first token, mean per-request tokens/s, HTTP 429s, the
+CPU seconds the clients used, and whether every answer equals the one-client answer to the same prompt. The
+clients run in a process of their own, as a server's clients are other programs: they share the machine's cores
+with the server (their CPU time says how much), not its interpreter lock.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import queue
 import socket
 import statistics
 import threading
@@ -51,14 +53,18 @@ def serving(app) -> Iterator[str]:
         sock.close()
 
 
-def ask(url: str, ids: list[int], max_tokens: int) -> dict:
-    """One streamed greedy completion: text, completion tokens, time to first token, wall time, HTTP status."""
+def ask(url: str, ids: list[int], max_tokens: int, client=None) -> dict:
+    """One streamed greedy completion (over `client`'s connection, else a new one): text, completion tokens, time
+    to first token, wall time, HTTP status."""
     import httpx
 
+    if client is None:
+        with httpx.Client(timeout=600) as client:
+            return ask(url, ids, max_tokens, client)
     body = {"model": MODEL_ID, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     t0, first, text, tokens = time.perf_counter(), None, [], 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
             return {"status": r.status_code, "wall_s": time.perf_counter() - t0}
@@ -77,11 +83,27 @@ def ask(url: str, ids: list[int], max_tokens: int) -> dict:
 
 
 def replay(url: str, ids: list[list[int]], max_tokens: int, clients: int) -> dict:
-    """All prompts through `clients` concurrent clients (each takes the next prompt when done)."""
-    t0 = time.perf_counter()
+    """All prompts through `clients` concurrent clients (each on its own connection, taking the next prompt when
+    done); `client_cpu_s`: CPU seconds this process spent on them."""
+    import httpx
+
+    todo, answers = queue.SimpleQueue(), [None] * len(ids)
+    for job in enumerate(ids):
+        todo.put(job)
+
+    def one_client() -> None:  # its own keep-alive connection; the next prompt when done
+        with httpx.Client(timeout=600) as client:
+            while True:
+                try:
+                    i, prompt = todo.get_nowait()
+                except queue.Empty:
+                    return
+                answers[i] = ask(url, prompt, max_tokens, client)
+
+    t0, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(clients) as pool:
-        answers = list(pool.map(ask, [url] * len(ids), ids, [max_tokens] * len(ids)))
-    wall = time.perf_counter() - t0
+        list(pool.map(lambda _: one_client(), range(clients)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
     ok = [a for a in answers if a["status"] == 200]
     ttft = sorted(a["ttft_s"] for a in ok)
     return {
@@ -90,6 +112,7 @@ def replay(url: str, ids: list[list[int]], max_tokens: int, clients: int) -> dic
         "completed": len(ok),
         "rejected_429": sum(a["status"] == 429 for a in answers),
         "wall_s": wall,
+        "client_cpu_s": cpu,
         "aggregate_tokens_per_s": sum(a["tokens"] for a in ok) / wall,
         "ttft_p50_s": _quantile(ttft, 0.5),
         "ttft_p95_s": _quantile(ttft, 0.95),
@@ -128,15 +151,16 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
 
 def table(result: dict) -> str:
     rows = [
-        "| clients | requests | completed | 429 | aggregate tok/s | per-request tok/s | TTFT p50 s | TTFT p95 s |",
-        "|" + "---|" * 8,
+        "| clients | requests | completed | 429 | aggregate tok/s | per-request tok/s | TTFT p50 s | TTFT p95 s "
+        "| client CPU s / wall s |",
+        "|" + "---|" * 9,
     ]
     for key in ("one_client", "concurrent"):
         r = result[key]
         rows.append(
             f"| {r['clients']} | {r['requests']} | {r['completed']} | {r['rejected_429']} "
             f"| {r['aggregate_tokens_per_s']:.2f} | {r['per_request_tokens_per_s'] or 0:.2f} "
-            f"| {r['ttft_p50_s'] or 0:.2f} | {r['ttft_p95_s'] or 0:.2f} |"
+            f"| {r['ttft_p50_s'] or 0:.2f} | {r['ttft_p95_s'] or 0:.2f} | {r['client_cpu_s']:.2f} / {r['wall_s']:.2f} |"
         )
     n = result["concurrent"]["requests"]
     rows.append(

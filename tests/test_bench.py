@@ -241,6 +241,7 @@ def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
     assert result["concurrent"]["completed"] == result["one_client"]["completed"] == 4
     assert result["identical_to_one_client"] == 4 and result["concurrent"]["rejected_429"] == 0
     assert all(a["tokens"] > 0 and a["ttft_s"] <= a["wall_s"] for a in result["concurrent"]["answers"])
+    assert all(0 < result[k]["client_cpu_s"] for k in ("one_client", "concurrent"))  # the clients' share of the CPU
     assert "Aggregate speedup" in capsys.readouterr().out
     bad = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "ar,swift", "--concurrency", "2"]
     assert main(bad) == 2

@@ -146,6 +146,32 @@ def test_fp16_keys_and_values_are_widened_exactly(any_kernel, d):
         any_kernel.attention_many(q, [ks[0], ks[1].float()], vs, masks, [3, 2], d**-0.5)
 
 
+def test_attention_many_is_each_sequence_alone_at_any_thread_count(kernel):
+    """Sequences of unequal lengths and rows batched together (the threads split them by cost): each one's rows
+    are the bits `attention` returns for that sequence alone, with 1, 2 or 3 threads."""
+    g = torch.Generator().manual_seed(5)
+    lens, rows = (9, 300, 41, 700, 130), (1, 3, 2, 1, 4)
+    ks = [torch.randn(3, t, 64, generator=g).half() for t in lens]
+    vs = [torch.randn(3, t, 64, generator=g).half() for t in lens]
+    masks = [torch.zeros(m, t) for m, t in zip(rows, lens, strict=True)]
+    for mask in masks:
+        mask.masked_fill_(torch.rand(mask.shape, generator=g) > 0.6, float("-inf"))
+    for mask in masks:
+        mask[:, 0] = 0.0
+    q = torch.randn(sum(rows), 9, 64, generator=g)
+    alone = [
+        kernel.attention(part.transpose(0, 1), k.float(), v.float(), mask, 0.125)
+        for part, k, v, mask in zip(q.split(rows), ks, vs, masks, strict=True)
+    ]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernel.attention_many(q, ks, vs, masks, list(rows), 0.125), torch.cat(alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("d", [24, 40, 64, 72, 128])  # whole 16-lane chunks, and 8-wide halves past them
 def test_attention_is_the_same_bits_on_every_isa_build(fp32_builds, d):
     """Scores are summed in 16 lanes on every build, so AVX2 and AVX-512 machines compute the same attention."""

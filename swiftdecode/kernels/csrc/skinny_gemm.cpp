@@ -10,10 +10,12 @@
 // Compiled once per ISA: -DSD_AVX512 (-mavx512f -mfma) or AVX2 (-mavx2 -mfma). Plain C ABI, loaded with
 // ctypes; OpenMP resolves to the libgomp torch has already loaded, so threads are shared with torch.
 #include <immintrin.h>
-#include <vector>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+
+#include <algorithm>
+#include <vector>
 
 #define MC 64  // rows per pass over the weights: keeps the x panel in L2 for long inputs
 
@@ -400,6 +402,7 @@ static inline vf vexp(vf x) {
   return vpow2_mul(y, n);
 }
 
+#define ITEM_OVERHEAD 32  // keys' worth of fixed work per attention item (query loads, softmax, stores)
 #define HB 4  // query heads (sharing one key/value head) computed together: key and value loads are shared
 #define SCORE_LANES 16            // lanes of an attention score's dot product, on every build
 #define SPLIT (SCORE_LANES / VW)  // vectors per score accumulator: 1 (AVX-512), 2 (AVX2)
@@ -594,19 +597,29 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
   const int64_t subs = (H / Hkv + HB - 1) / HB;
   std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t it = 0; it < first[nseq]; ++it) {
-    int64_t i = 0;
-    while (it >= first[i + 1]) ++i;
-    const int64_t* di = dims + 5 * i;
-    const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
-    float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t;
-    if (kv_half)
-      attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2], D,
-                  masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
-    else
-      attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
-                  masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+  // Each thread takes a contiguous run of items of about equal cost (an item's cost: its sequence's keys plus
+  // ITEM_OVERHEAD): sequences' caches differ in length, and contiguous runs keep a sequence's rows, which read
+  // the same keys and values, on one core.
+  std::vector<int64_t> cost(first[nseq] + 1, 0);  // cost of the items before each item
+  for (int64_t i = 0, it = 0; i < nseq; ++i)
+    for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + dims[5 * i + 1] + ITEM_OVERHEAD;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t T = omp_get_num_threads(), tid = omp_get_thread_num(), total = cost[first[nseq]];
+    const int64_t lo = std::lower_bound(cost.begin(), cost.end() - 1, total * tid / T) - cost.begin();
+    const int64_t hi = std::lower_bound(cost.begin(), cost.end() - 1, total * (tid + 1) / T) - cost.begin();
+    float* sc = scratch + tid * (HB + 1) * max_t;
+    for (int64_t it = lo, i = 0; it < hi; ++it) {  // the last thread's hi is the end
+      while (it >= first[i + 1]) ++i;
+      const int64_t* di = dims + 5 * i;
+      const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
+      if (kv_half)
+        attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2],
+                    D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+      else
+        attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
+                    masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+    }
   }
 }
 
