@@ -55,9 +55,8 @@ class Batch:
             if not req.done:
                 self.active.append(req)
             return event
-        self.gen.note_prompt(req.ids)
         self.joining.append(req)
-        self.prefilled[req] = 0
+        self.prefilled[req] = self.gen.take_prompt(req)
         return None
 
     def remove(self, req: Request) -> None:

@@ -145,6 +145,17 @@ class SwiftCache(Cache):
                 layer.reserve(n, heads, dim, dtype)
             self._min_capacity = min(layer.capacity for layer in self.layers)
 
+    def entries(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's first n keys and values ([batch, heads, n, dim] each; every layer holds ≥ n)."""
+        if any(layer.get_seq_length() < n for layer in self.layers):
+            raise ValueError(f"a layer holds fewer than {n} entries")
+        return [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in self.layers]
+
+    def extend(self, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append each layer's keys and values (as `entries` returns them) after its entries."""
+        for layer, (k, v) in zip(self.layers, entries, strict=True):
+            layer.update(k, v)
+
     def truncate(self, length: int) -> None:
         """Drop every entry at index ≥ length (e.g. all a draft wrote)."""
         for layer in self.layers:

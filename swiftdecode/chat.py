@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from swiftdecode.config import PREFIX_CACHE_GB
 from swiftdecode.generate_cli import add_sampling_arguments, sampling_kwargs, stats_line
 
 
@@ -20,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
-    gen = swiftdecode.Generator(model, tokenizer, method=args.method)
+    gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=PREFIX_CACHE_GB)  # earlier turns
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("swiftdecode chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
     while True:

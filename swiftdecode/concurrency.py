@@ -128,14 +128,15 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 
 
 def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int) -> dict:
-    """One client, then `clients` at once, through one server; answers compared prompt by prompt."""
+    """One client, then `clients` at once, through one server; answers compared prompt by prompt. Each replay
+    starts with an empty prefix cache."""
     from swiftdecode.server import create_app
 
     app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
     with serving(app) as url, multiprocessing.get_context("spawn").Pool(1) as client:
         client.apply(ask, (url, ids[0], 8))  # warm-up
-        solo = client.apply(replay, (url, ids, max_tokens, 1))
-        together = client.apply(replay, (url, ids, max_tokens, clients))
+        solo = client.apply(replay, (url, _cold(gen, ids), max_tokens, 1))
+        together = client.apply(replay, (url, _cold(gen, ids), max_tokens, clients))
     same = [
         a["status"] == 200 and a["text"] == b.get("text")
         for a, b in zip(together["answers"], solo["answers"], strict=True)
@@ -147,6 +148,13 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
         "identical_to_one_client": sum(same),
         "speedup": together["aggregate_tokens_per_s"] / solo["aggregate_tokens_per_s"],
     }
+
+
+def _cold(gen, ids: list[list[int]]) -> list[list[int]]:
+    """`ids`, with the server's prefix cache emptied (the server is idle): each replay starts from no stored
+    prompts, and what its requests share (a chat template's system prompt) is reused as it would be live."""
+    gen.prefixes.clear()
+    return ids
 
 
 def table(result: dict) -> str:

@@ -17,6 +17,7 @@ from swiftdecode.drafting import DraftVocab, add_chain, draft
 from swiftdecode.errors import UserError
 from swiftdecode.model import SwiftModel
 from swiftdecode.params import check_params
+from swiftdecode.prefix import PrefixStore
 from swiftdecode.request import GenerationResult, Request, StreamEvent
 from swiftdecode.rowcost import CopyPlanner
 from swiftdecode.sampling import Sampler
@@ -34,9 +35,13 @@ __all__ = ["PAPER_SEARCH", "EngineConfig", "Generator", "preset"]
 class Generator:
     """Lossless generation with one model. Not thread-safe; search state carries across calls. A round decodes
     one token plainly or runs `_tree_round`: propose, verify, keep. `schedule` picks each round's kind; `tuner`
-    owns the draft's skip set and its search; `vocab` the draft vocabulary."""
+    owns the draft's skip set and its search; `vocab` the draft vocabulary; `prefixes` finished sequences' cache
+    entries for later prompts (`prefix_cache_gb`; none off our batch-invariant kernels, where reuse is not exact)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, method: str = "swift", config: EngineConfig | None = None):
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, method: str = "swift", config: EngineConfig | None = None,
+        prefix_cache_gb: float = 0.0,
+    ):  # fmt: skip
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.tokenizer, self.sm = method, tokenizer, SwiftModel(model)
@@ -46,6 +51,7 @@ class Generator:
         self.schedule = RoundScheduler(cfg.modes, cfg.adaptive) if cfg else None  # None: plain decoding (`ar`)
         self.tuner = SkipTuner(self.sm, cfg) if cfg and "draft" in cfg.modes else None  # None: no skip draft
         self.copies = CopyPlanner()  # forward cost by rows and copy acceptance: how much of an n-gram branch pays
+        self.prefixes = PrefixStore(int(prefix_cache_gb * 2**30) if self.sm.layer_loop() != "transformers" else 0)
         if cfg is not None:  # draft settings for greedy (True) and sampling (False), built once
             self.draft_cfg = {True: cfg.draft, False: replace(cfg.draft, topk=cfg.draft.sampling_topk)}
 
@@ -65,10 +71,7 @@ class Generator:
 
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
         """Generate to completion; see `stream` for the parameters."""
-        for event in self.stream(prompt, **kwargs):
-            if event.result is not None:
-                return event.result
-        raise AssertionError("stream ended without a result")
+        return next(event.result for event in self.stream(prompt, **kwargs) if event.result is not None)
 
     def stream(
         self, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -95,9 +98,11 @@ class Generator:
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""
         self.sm.cache = req.cache
-        self.vocab.prompt(req.ids)
         t = time.perf_counter()
-        logits = self.sm.logits(self.sm.prefill(req.ids)[-1:])[0] if self.tuner is None else self.tuner.prefill(req.ids)
+        if (cached := self.take_prompt(req)) or self.tuner is None:
+            logits = self.sm.logits(self.sm.prefill(req.ids[cached:])[-1:])[0]
+        else:
+            logits = self.tuner.prefill(req.ids)
         first = req.sampler.pick(logits, len(req.ids))
         req.stats.time_split["prefill"] = time.perf_counter() - t
         return self.advance(req, [first])
@@ -108,22 +113,27 @@ class Generator:
         return self.advance(req, self._round(req))
 
     def advance(self, req: Request, tokens: list[int]) -> StreamEvent | None:
-        """Give the request a round's tokens; on completion, record its stats and what it generated."""
+        """Give the request a round's tokens; on completion, record its stats and keep its cache entries."""
         event = req.take(tokens)
         if req.done:
             if self.skip is not None:
                 req.stats.skip, req.stats.search = self.skip.to_dict(), self.search.state if self.search else "off"
             self.vocab.count(req.new)
+            self.prefixes.save(req.ctx[: req.cache.length], req.cache)  # entry i holds ctx[i]'s keys and values
         return event
+
+    def take_prompt(self, req: Request) -> int:
+        """A new request's prompt, before its prefill (here or in chunks): it informs the draft vocabulary, and a
+        plain prefill starts after its longest stored beginning, copied into its cache (returns that length)."""
+        self.vocab.prompt(req.ids)
+        if self.plain_prefill():
+            req.stats.cached_prompt_tokens = self.prefixes.restore(req.ids, req.cache)
+        return req.stats.cached_prompt_tokens
 
     def plain_prefill(self) -> bool:
         """Whether a prompt's prefill is a plain forward, which may then run in chunks beside other requests: no
         skip set to initialise from its collinearity, no sparsity thresholds to calibrate on it."""
         return self.tuner is None or (self.tuner.skip is not None and not self.tuner.sparse())
-
-    def note_prompt(self, ids: list[int]) -> None:
-        """A prompt whose prefill runs elsewhere (chunked batching): it still informs the draft vocabulary."""
-        self.vocab.prompt(ids)
 
     # ---- one round --------------------------------------------------------------------------------------
     def _round(self, req: Request) -> list[int]:
@@ -135,7 +145,7 @@ class Generator:
             branch, pays = self.copies.plan(req, 1, min(self.draft_cfg[sampler.params.greedy].ngram, room - 1))
             mode = self.schedule.kind(can_draft, pays > 0)
             branch = branch[:pays] if mode == "ngram" else branch
-        out = self._plain(ctx, sampler) if mode == "plain" else self._tree_round(req, mode, branch)
+        out = plain_step(self.sm, ctx, sampler) if mode == "plain" else self._tree_round(req, mode, branch)
         seconds = time.perf_counter() - t0
         if mode == "plain":
             self.copies.line.record(1, seconds)
@@ -147,12 +157,6 @@ class Generator:
             if self.tuner is not None:
                 self.tuner.after_round(ctx, out, mode, stats, self.schedule)
         return out
-
-    def _plain(self, ctx: list[int], sampler: Sampler) -> list[int]:
-        """Plain decoding: one full forward of the last token."""
-        P = self.sm.cache.length
-        logits = self.sm.logits(self.sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
-        return [sampler.pick(logits[0], P + 1)]
 
     def _tree_round(self, req: Request, mode: str, branch: list[int]) -> list[int]:
         """Propose a tree (the skip model's draft if mode == "draft", the n-gram `branch` always), verify it in
@@ -178,3 +182,10 @@ class Generator:
         if steps:
             self.schedule.record_draft((t1 - t0) / steps)
         return [tree.tokens[i] for i in path] + [bonus]
+
+
+def plain_step(sm: SwiftModel, ctx: list[int], sampler: Sampler) -> list[int]:
+    """Plain decoding: one full forward of the last token (ctx[-1], not yet in sm.cache)."""
+    P = sm.cache.length
+    logits = sm.logits(sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
+    return [sampler.pick(logits[0], P + 1)]

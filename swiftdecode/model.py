@@ -91,7 +91,8 @@ class SwiftModel:
         return kernel if self.lean is not None and not self.layer_types else None
 
     def layer_loop(self) -> str:
-        """What runs the decoder's layers: "native" (one C call), "python" (the lean loop) or "transformers"."""
+        """What runs the decoder's layers: "native" (one C call), "python" (the lean loop) or "transformers". The
+        first two run our batch-invariant kernels: a token's cache entries are the same bits from any forward."""
         kernel = self._lean_kernel()
         return "transformers" if kernel is None else "native" if self.lean._native(kernel) else "python"
 

@@ -20,6 +20,7 @@ ROUND_SLACK = 128
 class GenerationStats:
     new_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose cache entries were copied from an earlier sequence
     wall_s: float = 0.0
     draft_steps: int = 0
     drafted_depth: int = 0

@@ -15,7 +15,7 @@ LAYERS = {
     "base": ["errors", "params", "config", "text"],
     "hub": ["hub", "models"],
     "kernels": ["kernels"],
-    "runtime": ["cache", "tree", "skip", "model", "lean", "fastpath", "quantized"],
+    "runtime": ["cache", "prefix", "tree", "skip", "model", "lean", "fastpath", "quantized"],
     "decoding": [
         "sampling",
         "drafting",

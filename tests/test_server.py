@@ -343,3 +343,24 @@ def test_kv_budget_queues_what_does_not_fit_and_rejects_what_never_can(gen):
         assert "KV cache" in err["message"]
         m = metrics(url)
         assert m["swiftdecode_requests_running"] == 0 and m["swiftdecode_queue_depth"] == 0
+
+
+def test_chat_turns_reuse_the_prefix_cache_and_answer_as_without_it(smollm, gen):
+    """A second chat turn copies the first turn's cache entries (usage reports them as cached tokens, /metrics
+    counts them) and answers exactly as a server without the prefix cache does."""
+    from swiftdecode.cli import main
+
+    warm = Generator(*smollm, method="swift", prefix_cache_gb=0.25)
+    with serving(create_app(warm, MODEL)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        history, cached = [{"role": "user", "content": "Name a color."}], []
+        for follow_up in ("Name another one.", "And a third?"):
+            r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16, temperature=0)
+            ref = gen.generate(gen.chat_ids(history), max_new_tokens=16)
+            assert r.choices[0].message.content == ref.text
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            history += [{"role": "assistant", "content": ref.text}, {"role": "user", "content": follow_up}]
+        m = metrics(base)
+    assert cached[0] == 0 and cached[1] > 10
+    assert m["swiftdecode_prompt_tokens_cached_total"] == sum(cached) and m["swiftdecode_prefix_cache_bytes"] > 0
+    assert main(["serve", "--model", MODEL, "--prefix-cache-gb", "-1"]) == 2

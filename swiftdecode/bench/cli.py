@@ -11,7 +11,7 @@ from swiftdecode.bench.methods import DEFAULT_METHODS, ENGINE_METHODS, METHODS, 
 from swiftdecode.bench.report import overall_table, sources_table, write_outputs
 from swiftdecode.bench.stream import WARMUP_TEXTS, run_stream
 from swiftdecode.bench.summary import env_info, summarize
-from swiftdecode.config import FAST_PATH_HELP
+from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.data import Prompt, load_prompts
 from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
@@ -124,8 +124,8 @@ def run_concurrency(model, tok, method: str, ids: list[list[int]], args: argpars
     from swiftdecode import concurrency
     from swiftdecode.engine import Generator
 
-    result = concurrency.run(Generator(model, tok, method=method), ids, args.max_new_tokens, args.concurrency,
-                             args.max_batch)  # fmt: skip
+    gen = Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)  # as `serve` runs
+    result = concurrency.run(gen, ids, args.max_new_tokens, args.concurrency, args.max_batch)
     result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")

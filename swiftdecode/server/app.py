@@ -130,7 +130,7 @@ class Api:
         await asyncio.to_thread(self.worker.close)
 
     async def health(self) -> dict:
-        queued, running, _ = self.worker.depth()
+        queued, running, *_ = self.worker.depth()
         return {"status": "ok", "model": self.model_id, "queued": queued, "running": running}
 
     async def prometheus(self) -> PlainTextResponse:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
-from swiftdecode.config import FAST_PATH_HELP
+from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.errors import UserError
 from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S
 
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"one that can never fit gets 413 (default: {DEFAULT_KV_GB:g})",
     )
     parser.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=PREFIX_CACHE_GB,
+        help="KV cache of finished requests kept so that prompts beginning with the same tokens (system prompt, "
+        f"earlier chat turns) skip their prefill, exactly; 0 = off (default: {PREFIX_CACHE_GB:g})",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
@@ -60,6 +68,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if not args.max_kv_gb > 0:
         raise UserError(f"--max-kv-gb must be > 0, got {args.max_kv_gb}")
+    if not args.prefix_cache_gb >= 0:
+        raise UserError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -87,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
-    gen = swiftdecode.Generator(model, tokenizer, method=args.method)
+    gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=args.prefix_cache_gb)
+    if args.prefix_cache_gb > 0 and not gen.prefixes.budget:
+        print("swiftdecode: no prefix cache on this model's forward path (needs the skinny kernels)", file=sys.stderr)
     app = create_app(
         gen,
         args.model,

@@ -40,6 +40,7 @@ class Metrics:
     http: dict[tuple[str, int], int] = field(default_factory=dict)  # (path, status) -> count
     finished: dict[str, int] = field(default_factory=dict)  # finish reason / cancelled / error -> count
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # ... of them, copied from the prefix cache
     new_tokens: int = 0  # every token streamed, cancelled requests included
     done_tokens: int = 0  # tokens of completed requests (tokens/s numerator)
     gen_seconds: float = 0.0
@@ -81,6 +82,7 @@ class Metrics:
             for k, v in stats["accepted_by_source"].items():
                 self.accepted_by_source[k] = self.accepted_by_source.get(k, 0) + v
             self.prompt_tokens += prompt_tokens
+            self.cached_prompt_tokens += stats["cached_prompt_tokens"]
             self.done_tokens += stats["new_tokens"]
             self.gen_seconds += stats["wall_s"]
             self.tree_rounds += rounds
@@ -93,7 +95,7 @@ class Metrics:
             n = sum(self.finished.values())
             return self.gen_seconds / n if n else 1.0
 
-    def render(self, queued: int, running: int, kv_reserved: int, model: str, method: str) -> str:
+    def render(self, queued: int, running: int, kv_reserved: int, prefix_bytes: int, model: str, method: str) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         with self.lock:
             families = _traffic(self, model, method) + _decoding(self) + _latency(self)
@@ -101,6 +103,7 @@ class Metrics:
             ("queue_depth", "gauge", "Requests waiting in the queue.", [("", queued)]),
             ("requests_running", "gauge", "Requests being generated (decoding together).", [("", running)]),
             ("kv_reserved_bytes", "gauge", "KV cache bytes reserved by running requests.", [("", kv_reserved)]),
+            ("prefix_cache_bytes", "gauge", "KV cache bytes kept for prompts' shared prefixes.", [("", prefix_bytes)]),
         ]
         lines: list[str] = []
         for name, kind, help_, samples in families:
@@ -130,6 +133,12 @@ def _traffic(m: Metrics, model: str, method: str) -> list[Family]:
             [(f'{{outcome="{k}"}}', n) for k, n in sorted(m.finished.items())],
         ),
         ("prompt_tokens_total", "counter", "Prompt tokens of completed requests.", [("", m.prompt_tokens)]),
+        (
+            "prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens of completed requests whose KV entries came from the prefix cache.",
+            [("", m.cached_prompt_tokens)],
+        ),
         ("generated_tokens_total", "counter", "Tokens generated (cancelled requests included).", [("", m.new_tokens)]),
         ("generation_seconds_total", "counter", "Wall time of completed generations.", [("", m.gen_seconds)]),
         ("tokens_per_second", "gauge", "Tokens per second over completed generations.", [("", tps)]),

@@ -170,8 +170,13 @@ def response_head(chat: bool, model_id: str) -> dict:
 
 def usage(res: Any) -> dict:
     """OpenAI's token counts of a GenerationResult."""
-    n = len(res.token_ids)
-    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n}
+    n, cached = len(res.token_ids), res.stats.cached_prompt_tokens
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": res.prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def completion(head: dict, chat: bool, res: Any) -> dict:

@@ -124,10 +124,12 @@ class Worker:
                 self.metrics.count("cancelled")
             self.cond.notify()
 
-    def depth(self) -> tuple[int, int, int]:
-        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved)."""
+    def depth(self) -> tuple[int, int, int, int]:
+        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved, bytes of the
+        prefix cache)."""
         with self.cond:
-            return len(self.pending), len(self.running) + self.starting, sum(self.running.reserved.values())
+            reserved = sum(self.running.reserved.values())
+            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.prefixes.bytes
 
     def close(self) -> None:
         with self.cond:

@@ -1,0 +1,81 @@
+"""Prompt prefix reuse: the KV entries of finished sequences, kept so that a later prompt beginning with the same
+tokens (a shared system prompt, a chat's earlier turns) copies them instead of computing them again.
+
+Why this is lossless: on our kernels a token's keys and values depend only on the tokens before it, never on the
+other rows of the forward that computed them (batch-invariant products, per-row attention over visible keys in
+order), so entries from any earlier forward are the bits this prompt's prefill would write. The store is used
+only where that holds (`SwiftModel.invariant`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from swiftdecode.cache import SwiftCache
+
+Entries = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, heads, n, dim]
+
+
+class PrefixStore:
+    """Token sequences with their KV entries, the least recently used dropped first beyond `budget` bytes (0: the
+    store keeps nothing)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.bytes = budget, 0
+        self.seqs: OrderedDict[int, tuple[np.ndarray, Entries, int]] = OrderedDict()  # tokens, entries, bytes
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def match(self, ids: list[int]) -> tuple[int | None, int]:
+        """The stored sequence sharing the longest prefix with `ids`, and that length; at most len(ids) - 1, as
+        the prompt's last token must be computed for its logits."""
+        want, best = np.asarray(ids[:-1], dtype=np.int64), (None, 0)
+        for key, (tokens, _, _) in self.seqs.items():
+            n = min(len(tokens), len(want))
+            differ = np.flatnonzero(tokens[:n] != want[:n])
+            shared = int(differ[0]) if len(differ) else n
+            if shared > best[1]:
+                best = (key, shared)
+        return best
+
+    def restore(self, ids: list[int], cache: SwiftCache) -> int:
+        """Append the entries of the longest stored prefix of `ids` to an empty `cache`; returns their count."""
+        key, n = self.match(ids)
+        if key is None:
+            return 0
+        self.seqs.move_to_end(key)
+        cache.extend([(k[:, :, :n], v[:, :, :n]) for k, v in self.seqs[key][1]])
+        return n
+
+    def save(self, tokens: list[int], cache: SwiftCache) -> None:
+        """Keep the entries of `tokens` (the first len(tokens) of `cache`), unless a stored sequence already
+        begins with them; stored sequences they begin with are dropped."""
+        if not self.budget:
+            return
+        new = np.asarray(tokens, dtype=np.int64)
+        for key, (old, _, size) in list(self.seqs.items()):
+            n = min(len(old), len(new))
+            if np.array_equal(old[:n], new[:n]):
+                if len(old) >= len(new):
+                    self.seqs.move_to_end(key)
+                    return
+                del self.seqs[key]
+                self.bytes -= size
+        entries = cache.entries(len(new))
+        size = sum(k.nbytes + v.nbytes for k, v in entries)
+        if size > self.budget:
+            return
+        self.seqs[self._next], self._next = (new, entries, size), self._next + 1
+        self.bytes += size
+        while self.bytes > self.budget:
+            _, (_, _, dropped) = self.seqs.popitem(last=False)
+            self.bytes -= dropped
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.bytes = 0
