@@ -7,7 +7,7 @@ import json
 import sys
 
 from swiftdecode import METHODS
-from swiftdecode.config import FAST_PATH_HELP
+from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 
@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
-    gen = swiftdecode.Generator(model, tokenizer, method=args.method)
+    shared = PREFIX_CACHE_GB if len(prompts) > 1 else 0.0  # later prompts may begin as earlier ones (chat template)
+    gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=shared)
     for prompt in prompts:
         if args.json:
             res = gen.generate(prompt, chat=args.chat, **kwargs)
@@ -81,6 +82,7 @@ def record(res) -> dict:
         "token_ids": res.token_ids,
         "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens,
+        "cached_prompt_tokens": s["cached_prompt_tokens"],
         **{k: s[k] for k in keys},
         "skip": s["skip"],
         "time_split": s["time_split"],

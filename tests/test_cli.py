@@ -24,6 +24,7 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
         assert 0 < rec["new_tokens"] == len(rec["token_ids"]) <= 12
         assert set(rec["skip"]) == {"attn", "mlp", "sparsity"}
         assert rec["skip"]["sparsity"] in range(len(SPARSITY_LEVELS))
+    assert lines[0]["cached_prompt_tokens"] == 0 and all(r["cached_prompt_tokens"] > 0 for r in lines[1:])  # template
 
 
 @pytest.mark.parametrize(
