@@ -49,20 +49,24 @@ def hf_agreement(model, gen: Generator, prompts: list[str], n: int) -> float:
     return sum(shares) / len(shares)
 
 
-def test_swift_greedy_is_plain_greedy(smollm, spec_bench):
-    """20 Spec-Bench prompts over 8 categories × 96 new tokens, on-the-fly search enabled and moving (its time
-    cap raised: at the default 3% a 96-token answer cannot pay for a search step)."""
+def test_swift_greedy_is_plain_greedy(smollm, spec_bench, monkeypatch):
+    """20 Spec-Bench prompts over 8 categories × 96 new tokens, on-the-fly search enabled and moving: its time
+    cap raised (at the default 3% a 96-token answer cannot pay for a search step) and no matchness good enough
+    to stop it, so the skip set changes under the drafts whatever the timings."""
     from dataclasses import replace
 
     from swiftdecode.engine import preset
 
     model, tok = smollm
     cfg = preset("swift")
-    gen = Generator(model, tok, method="swift", config=replace(cfg, search=replace(cfg.search, max_overhead=0.5)))
+    search = replace(cfg.search, max_overhead=0.5, target_matchness=1.01)
+    gen = Generator(model, tok, method="swift", config=replace(cfg, search=search))
+    steps, step = [], gen.tuner.step
+    monkeypatch.setattr(gen.tuner, "step", lambda ctx, pending: steps.append(len(ctx)) or step(ctx, pending))
     prompts = pick_prompts(spec_bench, 3, CATEGORIES)[:20]
     mismatches, rounds = compare(model, gen, prompts, 96)
     assert not mismatches, mismatches
-    assert rounds > 0 and gen.search is not None and gen.search.evals > 1
+    assert rounds > 0 and len(steps) > 5  # the search scored candidates throughout
 
 
 @pytest.mark.parametrize("method", ["swift-paper", "uniform", "ngram", "skip-only"])
