@@ -99,7 +99,7 @@ def stats_line(s: dict) -> str:
         f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, {s['mean_accepted_tokens']:.2f} tokens/round, "
         f"acceptance {s['acceptance_rate']:.0%}, rounds {_counts(s['round_kinds'])}, accepted from "
         f"{_counts(s['accepted_by_source'])}, {skipped} sublayers skipped, MLP sparsity level "
-        f"{s['skip'].get('sparsity', 0)}, search {s['search']}]"
+        f"{s['skip'].get('sparsity', 0)}, search {s['search']}, prompt tokens cached {s['cached_prompt_tokens']}]"
     )
 
 

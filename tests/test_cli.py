@@ -1,4 +1,4 @@
-"""The CLI contract of `swiftdecode generate` (other tools depend on it) and its bad-input behaviour."""
+"""The CLI contract of `swiftdecode generate` (other tools depend on it) and `chat`, and their bad-input behaviour."""
 
 from __future__ import annotations
 
@@ -44,3 +44,17 @@ def test_generate_bad_input_is_one_line_and_exit_2(capsys, args, msg):
     err = capsys.readouterr().err.strip()
     last = err.splitlines()[-1]  # earlier lines can only be the model-loading progress bar
     assert last.startswith("swiftdecode generate: error:") and msg in last and "Traceback" not in err
+
+
+def test_chat_keeps_the_conversation_and_reuses_its_earlier_turns(monkeypatch, capsys):
+    """Two turns on stdin: each answer streams, its stats line follows, and the second turn's prompt (the first
+    turn resent as history) is mostly copied from the prefix cache."""
+    import io
+    import re
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a fruit.\nName another one.\n\n"))
+    assert main(["chat", "--model", "smollm2-135m", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr()
+    cached = [int(n) for n in re.findall(r"prompt tokens cached (\d+)\]", out.err)]
+    assert len(cached) == 2 and cached[0] == 0 and cached[1] > 20, out.err
+    assert out.out.count("> ") >= 2
