@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from swiftdecode.cache import SwiftCache
 from swiftdecode.config import MODES
 from swiftdecode.sampling import Sampler
+from swiftdecode.text import TextSoFar
 from swiftdecode.tree import SOURCE_NAMES, Tree
 
 # KV entries a round may write beyond the accepted tokens before rolling back: a draft tree (at most 64 nodes,
@@ -104,6 +105,7 @@ class Request:
         self.capacity = len(ids) + budget + ROUND_SLACK
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
+        self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
         self.copies: list[tuple[int, list[int], int]] = []  # n-gram copies not yet scored (rowcost.CopyPlanner)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.start = time.perf_counter()
@@ -130,20 +132,22 @@ class Request:
             taken.append(tok)
             if len(self.new) >= self.budget:
                 break
-        text = self.decode(self.new)
-        cut = find_stop(text, self.stop)
-        if cut is not None:
-            text, self.finish = text[:cut], "stop"
-            self.new = tokens_for(self.decode, self.new, cut)
-        if self.finish is None and len(self.new) >= self.budget:
-            self.finish = "length"
+        text = self.so_far.update(self.new)
+        if self.finish is not None or len(self.new) >= self.budget or find_stop(text, self.stop) is not None:
+            text = self.decode(self.new)  # the end is decided on the whole text, decoded once
+            cut = find_stop(text, self.stop)
+            if cut is not None:
+                text, self.finish = text[:cut], "stop"
+                self.new = tokens_for(self.decode, self.new, cut)
+            elif self.finish is None:  # the budget is reached
+                self.finish = "length"
         if self.done:
             self.stats.new_tokens, self.stats.wall_s = len(self.new), time.perf_counter() - self.start
             result = GenerationResult(text, list(self.new), len(self.ids), self.finish, self.stats)
             return StreamEvent(text[len(self.emitted) :], [], result)
         safe = text[: len(text) - stop_overlap(text, self.stop)]  # may be the start of a stop string
         if safe.startswith(self.emitted) and len(safe) > len(self.emitted) and not safe.endswith("\ufffd"):
-            event = StreamEvent(safe[len(self.emitted) :], tokens)
+            event = StreamEvent(safe[len(self.emitted) :], taken)
             self.emitted = safe
             return event
         return None

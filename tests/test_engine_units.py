@@ -342,3 +342,23 @@ def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
         assert kinds["ngram"] == acc["ngram"] == acc["both"] == 0 and kinds["draft"] > 0
     if method == "swift":
         assert kinds["draft"] > 0 and kinds["ngram"] > 0
+
+
+@pytest.mark.parametrize("model_name", ["smollm", "qwen", "gemma"])  # byte-level BPE twice, SentencePiece
+def test_text_so_far_is_the_whole_decode_a_few_tokens_at_a_time(request, model_name):
+    """Fed in rounds of 1-5 tokens, the incremental text is always a prefix of decoding all the tokens, and
+    catches up with it whenever the characters are whole (accents, CJK, emoji split across tokens)."""
+    from swiftdecode.text import Prompts, TextSoFar
+
+    _, tok = request.getfixturevalue(model_name)
+    prompts = Prompts(tok, len(tok), 1 << 20)
+    text = "Café naïve — 東京タワー 🚀🎉 déjà vu.\n  Two  spaces, a tab\tand ∑ x² ≤ ∞! " * 3
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    so_far, rng, n, caught_up = TextSoFar(prompts.decode), np.random.default_rng(0), 0, 0
+    while n < len(ids):
+        n = min(n + int(rng.integers(1, 6)), len(ids))
+        whole = prompts.decode(ids[:n])
+        got = so_far.update(ids[:n])
+        assert whole.startswith(got)
+        caught_up += got == whole
+    assert so_far.text == prompts.decode(ids) and caught_up > 10
