@@ -235,9 +235,11 @@ def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     argv = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "swift", "--max-new-tokens", "16",
-            "--concurrency", "4", "--max-batch", "4", "--out", str(out)]  # fmt: skip
+            "--concurrency", "4", "--max-batch", "4", "--pairs", "2", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     result = json.loads((out / "concurrency.json").read_text())
+    assert len(result["pairs"]) == 2 and result["speedup"] == min(p["speedup"] for p in result["pairs"])  # median
+    assert all(p["identical_to_one_client"] == 4 for p in result["pairs"])
     assert result["concurrent"]["completed"] == result["one_client"]["completed"] == 4
     assert result["identical_to_one_client"] == 4 and result["concurrent"]["rejected_429"] == 0
     assert all(a["tokens"] > 0 and a["ttft_s"] <= a["wall_s"] for a in result["concurrent"]["answers"])
@@ -245,3 +247,4 @@ def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
     assert "Aggregate speedup" in capsys.readouterr().out
     bad = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "ar,swift", "--concurrency", "2"]
     assert main(bad) == 2
+    assert main([*bad[:5], "--methods", "swift", "--concurrency", "2", "--pairs", "0"]) == 2

@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay the prompts through our server with N clients at once, against one client (one engine method)",
     )
     parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch in --concurrency mode")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="in --concurrency mode, alternate the one-client and N-client replays this many times; the speedup "
+        "reported is the median pair's (default: 1)",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
 
@@ -79,8 +86,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
     check_params(args.max_new_tokens, args.temperature, names=FLAGS)
     if args.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.concurrency < 0 or args.max_batch < 1:
-        raise UserError("--concurrency must be >= 0 and --max-batch >= 1")
+    if args.concurrency < 0 or args.max_batch < 1 or args.pairs < 1:
+        raise UserError("--concurrency must be >= 0, --max-batch and --pairs >= 1")
     if args.concurrency and (len(methods) != 1 or methods[0] not in ENGINE_METHODS):
         raise UserError(f"--concurrency serves one engine method: --methods one of {', '.join(ENGINE_METHODS)}")
     categories = args.categories.split(",") if args.categories is not None else None
@@ -125,7 +132,7 @@ def run_concurrency(model, tok, method: str, ids: list[list[int]], args: argpars
     from swiftdecode.engine import Generator
 
     gen = Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)  # as `serve` runs
-    result = concurrency.run(gen, ids, args.max_new_tokens, args.concurrency, args.max_batch)
+    result = concurrency.run(gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, args.pairs)
     result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
