@@ -22,11 +22,28 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        sorted_p, order, before = _top_mass(probs, params.top_p)
+        kept = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, kept)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+NUCLEUS_FIRST = 256  # tokens sorted first when looking for the top-p set; doubled until it holds the set
+
+
+def _top_mass(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k largest probabilities [..., k], descending, their ids and the mass before each, for the first k
+    whose last entry is already outside the top-p set (mass before it ≥ top_p) in every row: so the set, the
+    smallest prefix reaching top_p, lies within them, as a full sort would give it. topk instead of a sort: a
+    full sort of a 152k vocabulary took ~12 ms a row."""
+    k = min(NUCLEUS_FIRST, probs.shape[-1])
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)
+        before = top.cumsum(-1) - top
+        if k == probs.shape[-1] or bool((before[..., -1] >= top_p).all()):
+            return top, order, before
+        k = min(2 * k, probs.shape[-1])
 
 
 def argmax(x: torch.Tensor) -> int:

@@ -84,6 +84,8 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
         (["--methods", "hf,magic"], "ok", "unknown method 'magic'"),
         (["--methods", "hf,draft-model"], "ok", "draft-model needs --draft-model"),
         (["--max-new-tokens", "0"], "ok", "--max-new-tokens must be >= 1"),
+        (["--temperature", "0.7", "--top-p", "1.5"], "ok", "--top-p must be"),
+        (["--temperature", "0.7", "--methods", "ar,llama.cpp"], "ok", "llama.cpp runs greedy"),
     ],
 )
 def test_bad_input_exits_2_before_loading(tmp_path, capsys, monkeypatch, extra, data, message):
@@ -118,6 +120,7 @@ def test_summary_counts_every_mismatch():
         limit=None,
         max_new_tokens=3,
         temperature=0.0,
+        top_p=1.0,
         warmup=0,
         draft_model=None,
         seed=0,

@@ -102,6 +102,24 @@ def test_exponential_race_sampler_draws_the_processed_distribution():
     assert chisquare(counts[support], 20_000 * p[support] / p[support].sum()).pvalue > 1e-3
 
 
+def test_top_p_set_is_a_full_sorts_bit_for_bit():
+    """The top-p set found by topk (grown until it holds the set) gives the probabilities a full sort gives."""
+
+    def by_sort(logits, params):
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return probs / probs.sum(-1, keepdim=True)
+
+    g = torch.Generator().manual_seed(1)
+    for vocab, scale in ((40, 1.0), (49152, 0.3), (49152, 4.0), (151936, 1.0), (151936, 8.0)):
+        logits = torch.randn(vocab, generator=g) * scale  # 0.3: a flat distribution, the set spans thousands
+        for top_p in (0.5, 0.9, 0.999):
+            params = SamplingParams(temperature=0.7, top_p=top_p)
+            assert torch.equal(probabilities(logits, params), by_sort(logits, params)), (vocab, scale, top_p)
+
+
 def test_argmax_is_torchs_on_ties_nan_and_infinities():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(6, 151936, generator=g)

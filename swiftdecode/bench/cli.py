@@ -17,7 +17,8 @@ from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 from swiftdecode.text import eos_ids
 
-FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}  # check_params' names for them
+# check_params' names for the flags
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     sampled = "> 0: sampled, one seed per prompt for all methods (lossless: equal to ar's output)"
     parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {sampled}")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (default: 1)")
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -83,11 +85,13 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
     methods = parse_methods(args.methods, args.draft_model)
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    check_params(args.max_new_tokens, args.temperature, names=FLAGS)
+    check_params(args.max_new_tokens, args.temperature, args.top_p, names=FLAGS)
     if args.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
     if args.concurrency < 0 or args.max_batch < 1 or args.pairs < 1:
         raise UserError("--concurrency must be >= 0, --max-batch and --pairs >= 1")
+    if args.temperature > 0 and (peer := next((m for m in methods if m in PEER_METHODS), None)):
+        raise UserError(f"{peer} runs greedy in this bench: compare it at --temperature 0")
     if args.concurrency and (len(methods) != 1 or methods[0] not in ENGINE_METHODS):
         raise UserError(f"--concurrency serves one engine method: --methods one of {', '.join(ENGINE_METHODS)}")
     categories = args.categories.split(",") if args.categories is not None else None

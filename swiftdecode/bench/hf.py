@@ -11,7 +11,7 @@ from swiftdecode.text import eos_ids
 
 
 def generation_config(model, tok, args: argparse.Namespace):
-    """The model's generation config, copied: pad id set, greedy at temperature 0, else plain sampling."""
+    """The model's generation config, copied: pad id set, greedy at temperature 0, else sampling (top-p as given)."""
     import copy
 
     gc = copy.deepcopy(model.generation_config)
@@ -21,7 +21,7 @@ def generation_config(model, tok, args: argparse.Namespace):
         gc.pad_token_id = next((i for i in (tok.pad_token_id, *(gc.eos_token_id or [])) if i is not None), 0)
     sample = args.temperature > 0
     gc.do_sample, gc.num_beams = sample, 1
-    gc.temperature, gc.top_p, gc.top_k = (args.temperature, 1.0, 0) if sample else (None, None, None)
+    gc.temperature, gc.top_p, gc.top_k = (args.temperature, args.top_p, 0) if sample else (None, None, None)
     gc.repetition_penalty = None
     return gc
 

@@ -80,7 +80,7 @@ def category_table(results: dict, key: str, spec: str = ".2f") -> str:
 
 def markdown(results: dict) -> str:
     s, e = results["settings"], results["env"]
-    mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
+    mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p {s.get('top_p', 1.0)}"
     fp = e["fast_path"]
     lines = [
         f"# swiftdecode bench: {results['model']}",

@@ -31,6 +31,7 @@ def summarize(records: list[dict], methods: list[str], args, env: dict, tok, cha
             "limit",
             "max_new_tokens",
             "temperature",
+            "top_p",
             "warmup",
             "draft_model",
             "seed",
