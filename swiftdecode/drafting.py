@@ -78,8 +78,8 @@ def _candidates(
         top_p, top = torch.topk(probs, candidates_for(float(probs.max()), cfg.topk))
         odds = top_p.tolist()
     else:
-        noise = sampler.noise_at(position, vocab)
-        ratio = probabilities(logits, sampler.params) / (noise if ids is None else noise[ids])
+        noise = sampler.noise_at(position, vocab) if ids is None else sampler.noise_of(position, ids)
+        ratio = probabilities(logits, sampler.params) / noise
         best, top = torch.topk(ratio, max(2, *(k for _, k in cfg.topk)))
         r = (best / best[0]).tolist() if best[0] > 0 else [1.0] * len(best)
         k = candidates_for(1.0 - r[1], cfg.topk)

@@ -120,6 +120,20 @@ def test_top_p_set_is_a_full_sorts_bit_for_bit():
             assert torch.equal(probabilities(logits, params), by_sort(logits, params)), (vocab, scale, top_p)
 
 
+def test_a_pick_over_the_kept_tokens_is_the_whole_vocabulary_race():
+    """With top-p/top-k, a pick draws noise only for the kept tokens: the same token as the race over every id,
+    whose noise for any ids is the whole vector's entries."""
+    g = torch.Generator().manual_seed(2)
+    for seed in range(200):
+        logits = torch.randn(5000, generator=g) * 4
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 50][seed % 2])
+        s = Sampler(params, seed)
+        whole = s.noise_at(seed, 5000)
+        ids = torch.tensor([4999, 3, 0, 1234])
+        assert torch.equal(s.noise_of(seed, ids), whole[ids])
+        assert s.pick(logits, seed) == argmax(probabilities(logits, params) / whole)
+
+
 def test_argmax_is_torchs_on_ties_nan_and_infinities():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(6, 151936, generator=g)
