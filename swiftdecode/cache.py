@@ -146,10 +146,11 @@ class SwiftCache(Cache):
             self._min_capacity = min(layer.capacity for layer in self.layers)
 
     def entries(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of every layer's first n keys and values ([batch, heads, n, dim] each; every layer holds ≥ n)."""
+        """Every layer's first n keys and values ([batch, heads, n, dim] each; every layer holds ≥ n), as views of
+        its buffers, not copies: valid while the cache is not written again (a finished request's)."""
         if any(layer.get_seq_length() < n for layer in self.layers):
             raise ValueError(f"a layer holds fewer than {n} entries")
-        return [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in self.layers]
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
 
     def extend(self, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append each layer's keys and values (as `entries` returns them) after its entries."""
