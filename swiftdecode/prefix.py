@@ -55,8 +55,8 @@ class PrefixStore:
     def save(self, tokens: list[int], cache: SwiftCache) -> None:
         """Keep the entries of `tokens` (the first len(tokens) of `cache`), unless a stored sequence already
         begins with them; stored sequences they begin with are dropped. The cache is handed over: its buffers are
-        kept, not copied (a copy held the worker ~3 ms per finished request), so it must not be written again;
-        they count whole against the budget."""
+        kept, not copied (copying 700 tokens of SmolLM2's held the worker 0.7 ms, keeping them 0.13 ms), so it
+        must not be written again; they count whole against the budget."""
         if not self.budget:
             return
         new = np.asarray(tokens, dtype=np.int64)
