@@ -130,16 +130,19 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int, pairs: int = 1) -> dict:
     """One client, then `clients` at once, through one server, `pairs` times alternated (a machine's speed
     drifts: each pair's ratio compares neighbours); answers compared prompt by prompt within each pair. Each
-    replay starts with an empty prefix cache. The top-level replays and speedup are the pair of median speedup."""
+    replay starts with an empty prefix cache, so only what its requests share (a chat template's system prompt)
+    is reused, as it would be live. The top-level replays and speedup are the pair of median speedup."""
     from swiftdecode.server import create_app
 
     app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
     runs = []
     with serving(app) as url, multiprocessing.get_context("spawn").Pool(1) as client:
         client.apply(ask, (url, ids[0], 8))  # warm-up
-        for _ in range(pairs):
-            solo = client.apply(replay, (url, _cold(gen, ids), max_tokens, 1))
-            together = client.apply(replay, (url, _cold(gen, ids), max_tokens, clients))
+        for _ in range(pairs):  # each replay from an empty prefix cache (the server is idle between them)
+            gen.prefixes.clear()
+            solo = client.apply(replay, (url, ids, max_tokens, 1))
+            gen.prefixes.clear()
+            together = client.apply(replay, (url, ids, max_tokens, clients))
             runs.append(_pair(solo, together))
     median = sorted(runs, key=lambda r: r["speedup"])[(len(runs) - 1) // 2]
     return {"max_batch": max_batch, **median, "pairs": runs}
@@ -156,13 +159,6 @@ def _pair(solo: dict, together: dict) -> dict:
         "identical_to_one_client": sum(same),
         "speedup": together["aggregate_tokens_per_s"] / solo["aggregate_tokens_per_s"],
     }
-
-
-def _cold(gen, ids: list[list[int]]) -> list[list[int]]:
-    """`ids`, with the server's prefix cache emptied (the server is idle): each replay starts from no stored
-    prompts, and what its requests share (a chat template's system prompt) is reused as it would be live."""
-    gen.prefixes.clear()
-    return ids
 
 
 def table(result: dict) -> str:

@@ -19,10 +19,10 @@ def isa_of(fast_path: str) -> str | None:
     return fast_path.removeprefix("skinny-") if fast_path.startswith("skinny-") else None
 
 
-# decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
 # KV entries of finished sequences `serve` and `chat` keep for later prompts with the same beginning (a system
 # prompt, earlier turns): ~45k tokens of SmolLM2-135M in fp16, ~85k of Qwen2.5-0.5B.
 PREFIX_CACHE_GB = 1.0
+# decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
 METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
 # Kinds of decoding round (see scheduler.RoundScheduler), in the order they are first tried: "ngram" = the n-gram
 # branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
