@@ -109,7 +109,7 @@ class Batch:
         out = []
         for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
             path, bonus = verify(tree, scores, req.sampler, start)
-            req.cache.keep(start, torch.tensor([0] + [i + 1 for i in path]))
+            req.cache.keep(start, [0] + [i + 1 for i in path])
             _account(req, tree, path, seconds)
             out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus])))
         if joiner is not None:

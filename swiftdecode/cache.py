@@ -158,15 +158,19 @@ class SwiftCache(Cache):
             layer.update(k, v)
 
     def truncate(self, length: int) -> None:
-        """Drop every entry at index ≥ length (e.g. all a draft wrote)."""
+        """Drop every entry at index ≥ length (e.g. all a draft wrote); nothing to do when layer 0, which holds
+        the most entries, holds no more than `length`."""
+        if length >= self.length:
+            return
         for layer in self.layers:
             layer.truncate(length)
 
-    def keep(self, start: int, index: torch.Tensor) -> None:
+    def keep(self, start: int, index: list[int]) -> None:
         """Compact the entries after `start` to those at start+index (the accepted path of a verified tree,
         ascending). A path that is already in place (index 0..n−1: a chain, or the root alone) only truncates."""
-        if int(index[-1]) == len(index) - 1:
+        if index[-1] == len(index) - 1:
             self.truncate(start + len(index))
             return
+        rows = torch.tensor(index)
         for layer in self.layers:
-            layer.keep(start, index)
+            layer.keep(start, rows)

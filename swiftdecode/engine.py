@@ -173,7 +173,7 @@ class Generator:
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
         path, bonus = verify(tree, logits, sampler, P)
-        sm.cache.keep(P, torch.tensor([0] + [i + 1 for i in path]))
+        sm.cache.keep(P, [0] + [i + 1 for i in path])
         stats.time_split["verify"] += (verify_s := time.perf_counter() - t1)
         self.copies.line.record(len(tree) + 1, verify_s)
         stats.time_split["draft"] += t1 - t0

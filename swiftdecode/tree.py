@@ -55,6 +55,8 @@ class Tree:
     def ancestry(self) -> torch.Tensor:
         """Bool [n+1, n+1]: entry (i, j) is True iff row j is row i or an ancestor of it (row 0 = root)."""
         n = len(self.tokens) + 1
+        if n == 1:  # the root alone: a plain step, the commonest row of a batched round
+            return torch.ones(1, 1, dtype=torch.bool)
         anc = torch.eye(n, dtype=torch.bool)
         anc[:, 0] = True
         for i, p in enumerate(self.parents):

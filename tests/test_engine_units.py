@@ -69,7 +69,7 @@ def test_cache_truncate_and_keep():
     cache.truncate(3)
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2] and cache.layers[1].get_seq_length() == 3
     cache.update(k[:, :, 3:10], -k[:, :, 3:10], 0)  # a 7-node tree after position 3
-    cache.keep(3, torch.tensor([0, 2, 5]))
+    cache.keep(3, [0, 2, 5])
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
     assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5, -8]
     big = torch.zeros(1, 1, 600, 1)
