@@ -4,7 +4,7 @@ tokens (a shared system prompt, a chat's earlier turns) copies them instead of c
 Why this is lossless: on our kernels a token's keys and values depend only on the tokens before it, never on the
 other rows of the forward that computed them (batch-invariant products, per-row attention over visible keys in
 order), so entries from any earlier forward are the bits this prompt's prefill would write. The store is used
-only where that holds (`SwiftModel.invariant`).
+only where that holds: where our kernels run the layers (`SwiftModel.layer_loop` is not "transformers").
 """
 
 from __future__ import annotations
