@@ -11,6 +11,9 @@ from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 
+# engine keyword -> the flag a user typed, for error messages
+FLAGS = {k: "--" + k.replace("_", "-") for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
+
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by generate and chat."""
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    check_params(**kw, stop=args.stop)
+    check_params(**kw, stop=args.stop, names=FLAGS)
     return dict(kw, seed=args.seed, stop=args.stop)
 
 

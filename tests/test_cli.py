@@ -31,9 +31,10 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
     "args,msg",
     [
         (["--prompt", ""], "empty"),
-        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
-        (["--prompt", "hi", "--temperature", "nan"], "temperature"),
-        (["--prompt", "hi", "--top-p", "2"], "top_p"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompt", "hi", "--temperature", "nan"], "--temperature"),
+        (["--prompt", "hi", "--top-p", "2"], "--top-p"),
+        (["--prompt", "hi", "--stop", ""], "--stop"),
         (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--prompt", "hi " * 9000], "context"),
         ([], "--prompt"),

@@ -14,11 +14,11 @@ from swiftdecode.bench.summary import env_info, summarize
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.data import Prompt, load_prompts
 from swiftdecode.errors import UserError
+from swiftdecode.generate_cli import FLAGS
 from swiftdecode.params import check_params
 from swiftdecode.text import eos_ids
 
 # check_params' names for the flags
-FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
