@@ -17,35 +17,73 @@ from swiftdecode.params import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [..., V] after temperature, then top-k, then top-p (smallest set with mass ≥ top_p)."""
+    """Probabilities [V] of logits [V] after temperature, then top-k, then top-p (the smallest set with mass ≥
+    top_p, renormalised)."""
+    if params.top_p == 1.0:
+        return _softmax(logits, params)
+    ids, p = kept(logits, params)
+    return torch.zeros(logits.shape[-1]).index_put_((ids,), p)
+
+
+def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens `probabilities` gives a nonzero probability, ascending ids [n], and those probabilities [n],
+    without building the vocabulary-sized vector: the top-p set's values are summed where they lie in it (the
+    same sum, so the same bits)."""
+    probs = _softmax(logits, params)
+    if params.top_p == 1.0:
+        ids = torch.nonzero(probs).flatten()
+        return ids, probs[ids]
+    ids, top = _nucleus(probs, params.top_p)
+    total = torch.zeros_like(probs).index_put_((ids,), top).sum()
+    nonzero = top > 0  # a kept probability may have underflowed to 0
+    return ids[nonzero], top[nonzero] / total
+
+
+def _softmax(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(logits / temperature) [V], with only the top_k largest logits kept (top_k > 0)."""
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order, before = _top_mass(probs, params.top_p)
-        kept = sorted_p.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, kept)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return torch.softmax(logits, dim=-1)
 
 
-NUCLEUS_FIRST = 256  # tokens sorted first when looking for the top-p set; doubled until it holds the set
+# The top-p set is looked for first among the tokens within 5.5, then 8.3 nats of the likeliest (probability
+# above 2^-8, then 2^-12 of the largest), then in a top-k grown from 4096 until it holds the set. A top-k grown
+# from 256, as before, took 0.41-0.72 ms a token on Qwen2.5's 152k vocabulary; this 0.18-0.42 (real logits,
+# temperature 0.7-1.3, top-p 0.5-0.95).
+NUCLEUS_TRIES = (2.0**-8, 2.0**-12)
+NUCLEUS_TOPK = 4096
+# Candidates whose mass reaches top_p by this much hold the set: the mass before the first token left out is
+# theirs to within a few float32 rounding steps (~1e-7 each).
+NUCLEUS_MARGIN = 1e-6
 
 
-def _top_mass(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The k largest probabilities [..., k], descending, their ids and the mass before each, for the first k
-    whose last entry is already outside the top-p set (mass before it ≥ top_p) in every row: so the set, the
-    smallest prefix reaching top_p, lies within them, as a full sort would give it. topk instead of a sort: a
-    full sort of a 152k vocabulary took ~12 ms a row."""
-    k = min(NUCLEUS_FIRST, probs.shape[-1])
-    while True:
-        top, order = torch.topk(probs, k, dim=-1)
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p set of probs [V], ascending ids and their probabilities: the tokens of the descending order whose
+    mass before them (`cumsum`) is below top_p, as a full sort gives them. Sorting only the candidates above a
+    threshold gives the same masses before each of them, and when the candidates' mass reaches top_p (by the
+    margin) no token below the threshold can be in the set; a top-k holds it once its last token is out."""
+    values = probs.numpy()
+    largest = float(values.max())
+    for share in NUCLEUS_TRIES if top_p + NUCLEUS_MARGIN < 1.0 else ():  # else no candidates can show it
+        cand = torch.from_numpy(np.flatnonzero(values > largest * share))
+        top, order = torch.sort(probs[cand], descending=True)
         before = top.cumsum(-1) - top
-        if k == probs.shape[-1] or bool((before[..., -1] >= top_p).all()):
-            return top, order, before
-        k = min(2 * k, probs.shape[-1])
+        if len(top) and float(before[-1] + top[-1]) >= top_p + NUCLEUS_MARGIN:
+            break
+    else:
+        k = min(NUCLEUS_TOPK, len(probs))
+        while True:
+            top, order = torch.topk(probs, k)
+            before = top.cumsum(-1) - top
+            if k == len(probs) or float(before[-1]) >= top_p:
+                break
+            k = min(2 * k, len(probs))
+        cand = torch.arange(len(probs))
+    keep = before < top_p
+    ids, sort = torch.sort(cand[order[keep]])
+    return ids, top[keep][sort]
 
 
 def argmax(x: torch.Tensor) -> int:
@@ -92,11 +130,10 @@ class Sampler:
     def pick(self, logits: torch.Tensor, position: int) -> int:
         if self.params.greedy:
             return argmax(logits)
-        probs = probabilities(logits, self.params)
         if self.params.top_p == 1.0 and self.params.top_k == 0:  # every token may win
-            return argmax(probs / self.noise_at(position, logits.shape[-1]))
-        ids = torch.nonzero(probs).flatten()  # ascending: ties go to the lowest id, as a whole-vector argmax
-        return int(ids[argmax(probs[ids] / self.noise_of(position, ids))])
+            return argmax(probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1]))
+        ids, p = kept(logits, self.params)  # ascending: ties go to the lowest id, as a whole-vector argmax
+        return int(ids[argmax(p / self.noise_of(position, ids))])
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:
         """E of tokens `ids` at `position` [len(ids)]: the entries noise_at would give them."""

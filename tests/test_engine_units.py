@@ -13,7 +13,7 @@ from swiftdecode import Generator, UserError, fastpath
 from swiftdecode.cache import SwiftCache
 from swiftdecode.drafting import DraftConfig
 from swiftdecode.engine import EngineConfig
-from swiftdecode.sampling import Sampler, SamplingParams, argmax, probabilities
+from swiftdecode.sampling import Sampler, SamplingParams, argmax, kept, probabilities
 from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import NGRAM, SKIP, Tree, attention_mask
@@ -103,7 +103,8 @@ def test_exponential_race_sampler_draws_the_processed_distribution():
 
 
 def test_top_p_set_is_a_full_sorts_bit_for_bit():
-    """The top-p set found by topk (grown until it holds the set) gives the probabilities a full sort gives."""
+    """The top-p set found among the tokens above its margin (or by sorting all, with top_p within float error of
+    1) gives the probabilities a full sort gives, and `kept` lists exactly their nonzero entries."""
 
     def by_sort(logits, params):
         probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -115,9 +116,12 @@ def test_top_p_set_is_a_full_sorts_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     for vocab, scale in ((40, 1.0), (49152, 0.3), (49152, 4.0), (151936, 1.0), (151936, 8.0)):
         logits = torch.randn(vocab, generator=g) * scale  # 0.3: a flat distribution, the set spans thousands
-        for top_p in (0.5, 0.9, 0.999):
+        for top_p in (0.5, 0.9, 0.999, 1 - 1e-9):
             params = SamplingParams(temperature=0.7, top_p=top_p)
-            assert torch.equal(probabilities(logits, params), by_sort(logits, params)), (vocab, scale, top_p)
+            want = by_sort(logits, params)
+            assert torch.equal(probabilities(logits, params), want), (vocab, scale, top_p)
+            ids, p = kept(logits, params)
+            assert torch.equal(ids, torch.nonzero(want).flatten()) and torch.equal(p, want[ids])
 
 
 def test_a_pick_over_the_kept_tokens_is_the_whole_vocabulary_race():
