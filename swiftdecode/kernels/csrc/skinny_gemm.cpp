@@ -450,8 +450,10 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
   vf mxv[HN];
   for (int h = 0; h < HN; ++h) mx[h] = -INFINITY, mxv[h] = vset1(-INFINITY);
   int64_t i = 0;
-  for (; CH > 0 && i + VW <= nv; i += VW)  // VW keys at a time (whole chunks only): one transposing reduction
-    for (int h = 0; h < HN; ++h) {  // per head instead of VW
+  const bool prefix = nv == 0 || vis[nv - 1] == nv - 1;  // visible keys 0..nv-1 (causal): the mask loads in a row
+  for (; CH > 0 && i + VW <= nv; i += VW) {  // VW keys at a time (whole chunks only): one transposing reduction
+    const vf mv = !mr ? vzero() : prefix ? vload(mr + i) : vgather(mr, vis + i);  // per head instead of VW
+    for (int h = 0; h < HN; ++h) {
       vf acc[VW];
 #pragma GCC unroll 16
       for (int j = 0; j < VW; ++j) {
@@ -463,10 +465,11 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
           part[c % SPLIT] = vfma(chunk<CH>(qr[h], c, D), chunk<CH>(kt, c, D), part[c % SPLIT]);
         acc[j] = score_lanes(part);
       }
-      const vf sc = vfma(vsums(acc), vset1(scale), mr ? vgather(mr, vis + i) : vzero());
+      const vf sc = vfma(vsums(acc), vset1(scale), mv);
       vstore(s + h * T + i, sc);
       mxv[h] = vmax(mxv[h], sc);
     }
+  }
   for (int h = 0; h < HN; ++h) {  // max is exact: the lanes' order does not matter
     float lanes[VW];
     vstore(lanes, mxv[h]);
@@ -498,8 +501,12 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
       for (int64_t j = i; j < nv; ++j) sh[j] = tmp[j - i];
     }
   }
+  // Per head one scalar chain over the keys in order, in a loop of its own: inside the loop below GCC packed
+  // the chains and moved them through a general register every key (~9 cycles a key, the loop's bound).
   float denom[HN];
   for (int h = 0; h < HN; ++h) denom[h] = 0.0f;
+  for (int64_t i = 0; i < nv; ++i)
+    for (int h = 0; h < HN; ++h) denom[h] += s[h * T + i];
   for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // 4 head-dim chunks at a time: HN * 4 accumulators
     const int64_t cn = chunks - c0 < 4 ? chunks - c0 : 4;
     vf o[HN][4];
@@ -507,8 +514,6 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
       for (int c = 0; c < 4; ++c) o[h][c] = vzero();
     for (int64_t i = 0; i < nv; ++i) {
       const KV* vt = vh + vis[i] * v_st;
-      if (c0 == 0)
-        for (int h = 0; h < HN; ++h) denom[h] += s[h * T + i];
       vf p[HN];
       for (int h = 0; h < HN; ++h) p[h] = vset1(s[h * T + i]);
 #pragma GCC unroll 4
