@@ -602,12 +602,16 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
   const int64_t subs = (H / Hkv + HB - 1) / HB;
   std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
-  // Each thread takes a contiguous run of items of about equal cost (an item's cost: its sequence's keys plus
-  // ITEM_OVERHEAD): sequences' caches differ in length, and contiguous runs keep a sequence's rows, which read
-  // the same keys and values, on one core.
+  // Each thread takes a contiguous run of items of about equal cost (an item's cost: the keys its row sees under
+  // a causal mask, T - M + m + 1, plus ITEM_OVERHEAD; a tree row sees about as many): sequences' caches differ
+  // in length, a prefill's first rows see few keys and its last ones many (counted as T each, a 1024-token
+  // prefill gave one thread 1.17x the other's work), and contiguous runs keep a sequence's rows, which read the
+  // same keys and values, on one core.
   std::vector<int64_t> cost(first[nseq] + 1, 0);  // cost of the items before each item
-  for (int64_t i = 0, it = 0; i < nseq; ++i)
-    for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + dims[5 * i + 1] + ITEM_OVERHEAD;
+  for (int64_t i = 0, it = 0; i < nseq; ++i) {
+    const int64_t M = dims[5 * i], T = dims[5 * i + 1];
+    for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + T - M + (it - first[i]) % M + 1 + ITEM_OVERHEAD;
+  }
 #pragma omp parallel num_threads(nthreads)
   {
     const int64_t T = omp_get_num_threads(), tid = omp_get_thread_num(), total = cost[first[nseq]];
