@@ -72,6 +72,13 @@ static inline vf vsel_ge0(vf x, vf a, vf b) {  // lanes with x >= 0 take a, the 
 }
 static inline void vstore_tail(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a); }
 static inline vf vload_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline bool vall_gt(const float* p, float x) {  // p[0..VW) > x in every lane (NaN: false)
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(p), _mm512_set1_ps(x), _CMP_GT_OQ) == 0xFFFF;
+}
+static inline void viota(int32_t* p, int32_t t) {  // p[j] = t + j, j < VW
+  _mm512_storeu_si512((void*)p, _mm512_add_epi32(_mm512_set1_epi32(t), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                                           9, 10, 11, 12, 13, 14, 15)));
+}
 #define SD_ISA avx512
 #else
 typedef __m256 vf;
@@ -131,6 +138,12 @@ static inline void vstore_tail(float* p, vf a, int n) {
   for (int i = 0; i < n; ++i) p[i] = t[i];
 }
 static inline vf vload_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline bool vall_gt(const float* p, float x) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_set1_ps(x), _CMP_GT_OQ)) == 0xFF;
+}
+static inline void viota(int32_t* p, int32_t t) {
+  _mm256_storeu_si256((__m256i*)p, _mm256_add_epi32(_mm256_set1_epi32(t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
 #define SD_ISA avx2
 #endif
 #define SD_PASTE(a, b) a##_##b
@@ -552,6 +565,23 @@ static inline void attend_heads(int64_t hn, const float* const* qr, const KV* kh
 // mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
 // out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
 // One attention work item: query row m of heads h0.. (up to HB sharing key/value head g) against its visible keys.
+// The keys t < tend that row mask mr leaves visible (mr[t] > -1e30; all when mr is null) -> vis, in order; their
+// count. VW at a time where all are (most of a causal row): a key at a time took ~6% of a long prefill.
+static inline int64_t visible_keys(const float* mr, int64_t tend, int32_t* vis) {
+  int64_t nv = 0, t = 0;
+  for (; t + VW <= tend; t += VW)
+    if (!mr || vall_gt(mr + t, -1e30f)) {
+      viota(vis + nv, (int32_t)t);
+      nv += VW;
+    } else {
+      for (int64_t j = t; j < t + VW; ++j)
+        if (mr[j] > -1e30f) vis[nv++] = (int32_t)j;
+    }
+  for (; t < tend; ++t)
+    if (!mr || mr[t] > -1e30f) vis[nv++] = (int32_t)t;
+  return nv;
+}
+
 template <typename KV>
 static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const KV* k, int64_t k_sh, int64_t k_st,
                                const KV* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
@@ -560,9 +590,7 @@ static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const
   const int64_t group = H / Hkv;
   int32_t* vis = (int32_t*)(s + HB * T);
   const float* mr = mask ? mask + m * mask_sm : nullptr;
-  int64_t nv = 0;
-  for (int64_t t = 0, tend = mask ? T : T - M + m + 1; t < tend; ++t)
-    if (!mr || mr[t] > -1e30f) vis[nv++] = (int32_t)t;
+  const int64_t nv = visible_keys(mr, mask ? T : T - M + m + 1, vis);
   const int64_t h0 = g * group + sb * HB, hn = group - sb * HB < HB ? group - sb * HB : HB;
   const float* qr[HB];
   float* orow[HB];
