@@ -75,6 +75,9 @@ static inline vf vload_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_load
 static inline bool vall_gt(const float* p, float x) {  // p[0..VW) > x in every lane (NaN: false)
   return _mm512_cmp_ps_mask(_mm512_loadu_ps(p), _mm512_set1_ps(x), _CMP_GT_OQ) == 0xFFFF;
 }
+static inline int vcount_gt(const float* p, float x) {  // lanes of p[0..VW) above x (NaN: not)
+  return __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(p), _mm512_set1_ps(x), _CMP_GT_OQ));
+}
 static inline void viota(int32_t* p, int32_t t) {  // p[j] = t + j, j < VW
   _mm512_storeu_si512((void*)p, _mm512_add_epi32(_mm512_set1_epi32(t), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
                                                                                            9, 10, 11, 12, 13, 14, 15)));
@@ -140,6 +143,9 @@ static inline void vstore_tail(float* p, vf a, int n) {
 static inline vf vload_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 static inline bool vall_gt(const float* p, float x) {
   return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_set1_ps(x), _CMP_GT_OQ)) == 0xFF;
+}
+static inline int vcount_gt(const float* p, float x) {
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_set1_ps(x), _CMP_GT_OQ)));
 }
 static inline void viota(int32_t* p, int32_t t) {
   _mm256_storeu_si256((__m256i*)p, _mm256_add_epi32(_mm256_set1_epi32(t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -558,13 +564,6 @@ static inline void attend_heads(int64_t hn, const float* const* qr, const KV* kh
   }
 }
 
-// Attention for M query rows of one sequence, order-invariant: each (head, row) output is a function of that
-// row's query and its visible keys/values in key order only (see attend_row): not of M, the other rows, or
-// masked keys in between (skipped). Heads sharing a key/value head are computed together.
-// q[h, m, :] at q + h*q_sh + m*q_sm; k/v[g, t, :] at k + g*k_sh + t*k_st (g = h / (H / Hkv));
-// mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
-// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
-// One attention work item: query row m of heads h0.. (up to HB sharing key/value head g) against its visible keys.
 // The keys t < tend that row mask mr leaves visible (mr[t] > -1e30; all when mr is null) -> vis, in order; their
 // count. VW at a time where all are (most of a causal row): a key at a time took ~6% of a long prefill.
 static inline int64_t visible_keys(const float* mr, int64_t tend, int32_t* vis) {
@@ -582,6 +581,7 @@ static inline int64_t visible_keys(const float* mr, int64_t tend, int32_t* vis) 
   return nv;
 }
 
+// One attention work item: query row m of heads h0.. (up to HB sharing key/value head g) against its visible keys.
 template <typename KV>
 static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const KV* k, int64_t k_sh, int64_t k_st,
                                const KV* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
@@ -602,19 +602,53 @@ static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const
   if (D == 4 * VW) attend_heads<4>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else if (D == 8 * VW) attend_heads<8>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
   else if (D == 16 * VW) attend_heads<16>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
-  else attend_heads<0>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);}
+  else attend_heads<0>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow);
+}
 
+// The keys row m of M (keys aligned at the end of T) sees: those its mask row mr leaves visible, else causally.
+static inline int64_t row_keys(const float* mr, int64_t T, int64_t M, int64_t m) {
+  if (!mr) return T - M + m + 1;
+  int64_t n = 0, t = 0;
+  for (; t + VW <= T; t += VW) n += vcount_gt(mr + t, -1e30f);
+  for (; t < T; ++t) n += mr[t] > -1e30f;
+  return n;
+}
+
+// The work items [lo, hi) of thread tid of nt: a contiguous run of about 1/nt of the total cost (cost[i]: the cost
+// of the items before item i; an item's cost: the keys its row sees plus ITEM_OVERHEAD). Rows see different
+// numbers of keys (a causal prefill's first rows few, its last ones many; requests' caches differ in length),
+// so equal counts of items are unequal work: counted as T keys each, a 1024-token prefill gave one of two
+// threads 1.17x the other's work. Contiguous runs keep a sequence's rows, which read the same keys and values,
+// on one core.
+static inline void share(const std::vector<int64_t>& cost, int64_t tid, int64_t nt, int64_t* lo, int64_t* hi) {
+  const int64_t total = cost.back();
+  *lo = std::lower_bound(cost.begin(), cost.end() - 1, total * tid / nt) - cost.begin();
+  *hi = std::lower_bound(cost.begin(), cost.end() - 1, total * (tid + 1) / nt) - cost.begin();
+}
+
+// Attention for M query rows of one sequence, order-invariant: each (head, row) output is a function of that
+// row's query and its visible keys/values in key order only (see attend_row): not of M, the other rows, or
+// masked keys in between (skipped). Heads sharing a key/value head are computed together.
+// q[h, m, :] at q + h*q_sh + m*q_sm; k/v[g, t, :] at k + g*k_sh + t*k_st (g = h / (H / Hkv));
+// mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
+// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
 extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
                         const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm, float* out,
                         int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale, float* scratch,
                         int nthreads) {
-  const int64_t subs = (H / Hkv + HB - 1) / HB;
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(3)
-  for (int64_t g = 0; g < Hkv; ++g)
-    for (int64_t sb = 0; sb < subs; ++sb)
-      for (int64_t m = 0; m < M; ++m)
-        attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale,
-                    scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T, g, sb, m);
+  const int64_t subs = (H / Hkv + HB - 1) / HB, items = Hkv * subs * M;  // item (g, sb, m), m fastest
+  std::vector<int64_t> keys(M), cost(items + 1, 0);
+  for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(mask ? mask + m * mask_sm : nullptr, T, M, m);
+  for (int64_t it = 0; it < items; ++it) cost[it + 1] = cost[it] + keys[it % M] + ITEM_OVERHEAD;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t lo, hi;
+    share(cost, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T;
+    for (int64_t it = lo; it < hi; ++it)
+      attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale, sc,
+                  it / (subs * M), (it / M) % subs, it % M);
+  }
 }
 
 // Attention of several sequences in one parallel pass (continuous batching). Queries q [R, H, D] and output
@@ -630,22 +664,18 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
   const int64_t subs = (H / Hkv + HB - 1) / HB;
   std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
-  // Each thread takes a contiguous run of items of about equal cost (an item's cost: the keys its row sees under
-  // a causal mask, T - M + m + 1, plus ITEM_OVERHEAD; a tree row sees about as many): sequences' caches differ
-  // in length, a prefill's first rows see few keys and its last ones many (counted as T each, a 1024-token
-  // prefill gave one thread 1.17x the other's work), and contiguous runs keep a sequence's rows, which read the
-  // same keys and values, on one core.
-  std::vector<int64_t> cost(first[nseq] + 1, 0);  // cost of the items before each item
+  std::vector<int64_t> cost(first[nseq] + 1, 0), keys;  // see `share`
   for (int64_t i = 0, it = 0; i < nseq; ++i) {
     const int64_t M = dims[5 * i], T = dims[5 * i + 1];
-    for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + T - M + (it - first[i]) % M + 1 + ITEM_OVERHEAD;
+    keys.resize(M);
+    for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(masks[i] + m * dims[5 * i + 3], T, M, m);
+    for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + keys[(it - first[i]) % M] + ITEM_OVERHEAD;
   }
 #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t T = omp_get_num_threads(), tid = omp_get_thread_num(), total = cost[first[nseq]];
-    const int64_t lo = std::lower_bound(cost.begin(), cost.end() - 1, total * tid / T) - cost.begin();
-    const int64_t hi = std::lower_bound(cost.begin(), cost.end() - 1, total * (tid + 1) / T) - cost.begin();
-    float* sc = scratch + tid * (HB + 1) * max_t;
+    int64_t lo, hi;
+    share(cost, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t;
     for (int64_t it = lo, i = 0; it < hi; ++it) {  // the last thread's hi is the end
       while (it >= first[i + 1]) ++i;
       const int64_t* di = dims + 5 * i;
