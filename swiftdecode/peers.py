@@ -40,8 +40,9 @@ def find_binary(method: str) -> Path | None:
 
 def run_peer(
     method: str, binary: Path, gguf: Path, prompt: str, max_new_tokens: int, threads: int
-) -> tuple[str, float]:
-    """(generated text, seconds of prompt + decode as llama.cpp reports them) for one greedy generation."""
+) -> tuple[str, float, float]:
+    """(generated text, seconds of prompt + decode, seconds of the prompt alone, as llama.cpp reports them) for one
+    greedy generation."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
@@ -57,8 +58,10 @@ def run_peer(
         raise RuntimeError(f"{binary.name} failed ({proc.returncode}): {tail}")
     text = proc.stdout
     if method == "llama.cpp":
-        seconds = sum(float(ms) for _, ms in _PERF.findall(proc.stderr)) / 1000
+        times = {what: float(ms) / 1000 for what, ms in _PERF.findall(proc.stderr)}
+        prompt_s = times.get("prompt eval", 0.0)
     else:
-        seconds = sum(float(s) for _, s in _LOOKUP.findall(proc.stderr))
+        times = {what: float(s) for what, s in _LOOKUP.findall(proc.stderr)}
+        prompt_s = times.get("encoded", 0.0)
         text = text.split(prompt, 1)[-1] if prompt in text else text  # llama-lookup echoes the prompt
-    return text, seconds
+    return text, sum(times.values()), prompt_s

@@ -47,6 +47,7 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
     assert list(results["methods"]) == ["hf", "ar", "swift"]
     keys = {
         "tokens_per_s",
+        "prompt_tokens_per_s",
         "speedup_vs_hf",
         "speedup_vs_ar",
         "mean_accepted_tokens",
@@ -66,6 +67,8 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
     assert all(m["method"] == "hf" for m in results["mismatches"])
     records = results["records"]
     assert len(records) == 6 and all(r["new_tokens"] > 0 for r in records)
+    assert all(0 < r["prefill_s"] < r["wall_s"] for r in records if r["method"] != "hf")  # HF: not measured
+    assert results["methods"]["hf"]["overall"]["prompt_tokens_per_s"] is None
     assert all(r["identical"] for r in records if r["method"] != "hf")
     assert {r["method"] for r in records if r["index"] == 0} == {"hf", "ar", "swift"}
     md = (out / "results.md").read_text()
@@ -214,7 +217,9 @@ def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "llama.cpp"]
     peer = [r for r in results["records"] if r["method"] == "llama.cpp"]
-    assert [(r["wall_s"], r["new_tokens"]) for r in peer] == [(pytest.approx(0.5), 8)] * 2
+    assert [(r["wall_s"], r["prefill_s"], r["new_tokens"]) for r in peer] == [(pytest.approx(0.5), 0.1, 8)] * 2
+    tokens = sum(r["prompt_tokens"] for r in peer)
+    assert results["methods"]["llama.cpp"]["overall"]["prompt_tokens_per_s"] == pytest.approx(tokens / 0.2)
     assert "n/a (own numerics" in (out / "results.md").read_text()
 
 

@@ -47,7 +47,9 @@ def hf_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
             wall = time.perf_counter() - t0
         rss = peak_rss_mb()
         new = cut_at_eos(y[0, len(ids) :].tolist(), eos)
-        return Outcome(new, wall, probe.rounds or None, *probe.stats(), peak_rss_mb=rss)
+        accepted, acceptance = probe.stats()
+        return Outcome(new, wall, rounds=probe.rounds or None, mean_accepted_tokens=accepted,
+                       acceptance_rate=acceptance, peak_rss_mb=rss)  # fmt: skip
 
     return call
 

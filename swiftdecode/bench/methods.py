@@ -33,6 +33,7 @@ class Outcome:
 
     token_ids: list[int]
     wall_s: float
+    prefill_s: float | None = None  # of wall_s, reading the prompt (to the first token); None: not measured
     rounds: int | None = None
     mean_accepted_tokens: float | None = None
     acceptance_rate: float | None = None

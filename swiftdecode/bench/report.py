@@ -29,9 +29,9 @@ def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
 
 def overall_table(results: dict) -> str:
     rows = [
-        "| method | tokens/s | vs hf | vs ar | accepted/round | acceptance | optimise share | peak RSS MiB "
-        "| lossless | agreement | n |",
-        "|" + "---|" * 11,
+        "| method | tokens/s | prompt tok/s | vs hf | vs ar | accepted/round | acceptance | optimise share "
+        "| peak RSS MiB | lossless | agreement | n |",
+        "|" + "---|" * 12,
     ]
     ref = results["settings"]["lossless_reference"]
     for m, res in results["methods"].items():
@@ -40,7 +40,8 @@ def overall_table(results: dict) -> str:
         lossless = fmt(o["lossless"]) + (f" ({o['mismatches']} mismatches)" if o["mismatches"] else "")
         lossless = lossless if exact else f"n/a (own numerics; {o['mismatches']} differ)"
         rows.append(
-            f"| {m} | {fmt(o['tokens_per_s'])} | {fmt(o['speedup_vs_hf'], suffix='x')} "
+            f"| {m} | {fmt(o['tokens_per_s'])} | {fmt(o.get('prompt_tokens_per_s'), '.0f')} "
+            f"| {fmt(o['speedup_vs_hf'], suffix='x')} "
             f"| {fmt(o['speedup_vs_ar'], suffix='x')} | {fmt(o['mean_accepted_tokens'])} "
             f"| {fmt(o['acceptance_rate'], '.1%')} | {fmt(o['optimize_share'], '.1%')} "
             f"| {fmt(o['peak_rss_mb'], '.0f')} | {lossless} | {fmt(o.get('agreement'), '.0%')} | {o['n']} |"
@@ -90,7 +91,9 @@ def markdown(results: dict) -> str:
         f"CPU {e['cpu']} ({e['cpu_count']} cores, {e['threads']} torch threads); torch {e['torch']}, "
         f"transformers {e['transformers']}; fast path `{fp['path']}` ({fp['reason']}).",
         f"HF methods run on {'the fast path' if s['hf_fast_path'] else 'stock torch'}. tokens/s: mean over "
-        "prompts of new tokens / wall s; speedups: ratio of those means. accepted/round (bonus token included) "
+        "prompts of new tokens / wall s (prompt reading included); prompt tok/s: all prompt tokens / all seconds "
+        "to the first token (our engine; llama.cpp as it reports them); speedups: ratio of the tokens/s means. "
+        "accepted/round (bonus token included) "
         "and acceptance are means over prompts; acceptance is accepted draft tokens per draft step for our "
         "engine, per proposed candidate token for HF assisted methods. Peak RSS: largest per-generation peak.",
         "",

@@ -86,9 +86,9 @@ def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespac
 
         def call(ids: list[int], seed: int, m=m, binary=binary) -> Outcome:
             prompt = tok.decode(ids)
-            text, seconds = peers.run_peer(m, binary, files[0], prompt, args.max_new_tokens, threads)
+            text, seconds, prompt_s = peers.run_peer(m, binary, files[0], prompt, args.max_new_tokens, threads)
             new = tok(text, add_special_tokens=False).input_ids[: args.max_new_tokens]
-            return Outcome(cut_at_eos(new, eos), seconds)
+            return Outcome(cut_at_eos(new, eos), seconds, prompt_s)
 
         out[m] = call
     return out
@@ -122,6 +122,7 @@ def engine_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
         acc = (st["mean_accepted_tokens"], st["acceptance_rate"]) if rounds else (None, None)
         opt = st["time_split"]["optimize"]
         sources = {k: st[k] for k in ("round_kinds", "round_seconds", "accepted_by_source")}
-        return Outcome(cut_at_eos(list(res.token_ids), eos), wall, rounds, *acc, opt, peak_rss_mb(), **sources)
+        ids, prefill = cut_at_eos(list(res.token_ids), eos), st["time_split"]["prefill"]
+        return Outcome(ids, wall, prefill, rounds, *acc, opt, peak_rss_mb(), **sources)  # fields in order
 
     return call

@@ -51,6 +51,7 @@ def record(index: int, p: Prompt, method: str, prompt_tokens: int, o: Outcome) -
         "prompt_tokens": prompt_tokens,
         "new_tokens": n,
         "wall_s": o.wall_s,
+        "prefill_s": o.prefill_s,
         "tokens_per_s": n / o.wall_s if o.wall_s > 0 else 0.0,
         "rounds": o.rounds,
         "mean_accepted_tokens": o.mean_accepted_tokens,

@@ -98,6 +98,7 @@ def aggregate(records: list[dict], method: str, keep: Callable[[dict], bool], re
 
     return {
         "tokens_per_s": tps,
+        "prompt_tokens_per_s": prompt_rate(mine),
         "speedup_vs_hf": speedup("hf"),
         "speedup_vs_ar": speedup("ar"),
         "prompt_speedup_vs_hf": mean([r["speedup_vs_hf"] for r in mine]),
@@ -113,6 +114,13 @@ def aggregate(records: list[dict], method: str, keep: Callable[[dict], bool], re
         "agreement": mean([r["agreement"] for r in mine]) if reference else None,
         "n": len(mine),
     }
+
+
+def prompt_rate(records: list[dict]) -> float | None:
+    """Prompt tokens read per second of prompt reading, over the records that measured it (all their prompt
+    tokens over all their prefill seconds, as llama-bench's pp tokens/s)."""
+    timed = [r for r in records if r["prefill_s"]]
+    return sum(r["prompt_tokens"] for r in timed) / sum(r["prefill_s"] for r in timed) if timed else None
 
 
 def mean_tps(records: list[dict], method: str) -> float | None:
