@@ -668,7 +668,7 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
   for (int64_t i = 0, it = 0; i < nseq; ++i) {
     const int64_t M = dims[5 * i], T = dims[5 * i + 1];
     keys.resize(M);
-    for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(masks[i] + m * dims[5 * i + 3], T, M, m);
+    for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(masks[i] ? masks[i] + m * dims[5 * i + 3] : nullptr, T, M, m);
     for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + keys[(it - first[i]) % M] + ITEM_OVERHEAD;
   }
 #pragma omp parallel num_threads(nthreads)
