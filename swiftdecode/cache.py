@@ -159,7 +159,7 @@ class SwiftCache(Cache):
 
     def truncate(self, length: int) -> None:
         """Drop every entry at index ≥ length (e.g. all a draft wrote); nothing to do when layer 0, which holds
-        the most entries, holds no more than `length`."""
+        the most entries (a draft never skips the first layer), holds no more than `length`."""
         if length >= self.length:
             return
         for layer in self.layers:

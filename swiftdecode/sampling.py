@@ -19,16 +19,18 @@ from swiftdecode.params import SamplingParams
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [V] of logits [V] after temperature, then top-k, then top-p (the smallest set with mass ≥
     top_p, renormalised)."""
+    probs = _softmax(logits, params)
     if params.top_p == 1.0:
-        return _softmax(logits, params)
-    ids, p = kept(logits, params)
-    return torch.zeros(logits.shape[-1]).index_put_((ids,), p)
+        return probs
+    ids, top = _nucleus(probs, params.top_p)
+    only = torch.zeros_like(probs).index_put_((ids,), top)  # the set's probabilities where they lie, else 0
+    return only / only.sum()
 
 
 def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens `probabilities` gives a nonzero probability, ascending ids [n], and those probabilities [n],
-    without building the vocabulary-sized vector: the top-p set's values are summed where they lie in it (the
-    same sum, so the same bits)."""
+    the same bits without the division over the vocabulary: the set's values are summed where they lie, as
+    `probabilities` sums them."""
     probs = _softmax(logits, params)
     if params.top_p == 1.0:
         ids = torch.nonzero(probs).flatten()
