@@ -23,7 +23,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p == 1.0:
         return probs
     ids, top = _nucleus(probs, params.top_p)
-    only = torch.zeros_like(probs).index_put_((ids,), top)  # the set's probabilities where they lie, else 0
+    only = _placed(probs, ids, top)
     return only / only.sum()
 
 
@@ -36,9 +36,15 @@ def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
         ids = torch.nonzero(probs).flatten()
         return ids, probs[ids]
     ids, top = _nucleus(probs, params.top_p)
-    total = torch.zeros_like(probs).index_put_((ids,), top).sum()
+    total = _placed(probs, ids, top).sum()
     nonzero = top > 0  # a kept probability may have underflowed to 0
     return ids[nonzero], top[nonzero] / total
+
+
+def _placed(probs: torch.Tensor, ids: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """A vector like probs [V] holding `top` at `ids` and 0 elsewhere: the top-p set where it lies, which both
+    `probabilities` and `kept` sum (so their sums are the same bits)."""
+    return torch.zeros_like(probs).index_put_((ids,), top)
 
 
 def _softmax(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

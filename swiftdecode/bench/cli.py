@@ -18,8 +18,6 @@ from swiftdecode.generate_cli import FLAGS
 from swiftdecode.params import check_params
 from swiftdecode.text import eos_ids
 
-# check_params' names for the flags
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from swiftdecode.pull_cli import add_model_argument
