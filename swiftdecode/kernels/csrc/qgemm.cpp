@@ -50,6 +50,7 @@ struct QX {  // quantized input rows
   const int8_t* q;      // [M, K]
   const float* d;       // [M, K/32]
   const int32_t* s;     // [M, K/16] sums of q
+  const float* ds;      // [M, K/32] d * (float)(sum of the block's q): the min terms' factor, formed once per row
   int64_t K;
 };
 
@@ -198,9 +199,19 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
 #if defined(SD_AVX512)
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2]) {
-  vi p[4] = {izero(), izero(), izero(), izero()};  // four short dependency chains instead of one long one
-  for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot(p[(g & 1) + 2 * (g >> 2)], u[g], bcast4(xq + 4 * g));
   (void)uh;
+  if (Fmt<F>::sub16) {  // values 0..15 and 16..31 apart, each in two chains
+    vi p[4] = {izero(), izero(), izero(), izero()};
+    for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot(p[(g & 1) + 2 * (g >> 2)], u[g], bcast4(xq + 4 * g));
+    s[0] = addi(p[0], p[1]);
+    s[1] = addi(p[2], p[3]);
+  } else {  // two chains: the tile's other rows give the core parallel work
+    vi p[2] = {izero(), izero()};
+    for (int g = 0; g < 8; g++) p[g & 1] = dot(p[g & 1], u[g], bcast4(xq + 4 * g));
+    s[0] = addi(p[0], p[1]);
+    s[1] = izero();
+  }
+}
 #else
 // AVX2 has no u8 x s8 -> s32 dot: maddubs gives s16 pair sums, which are added in s16 over a chunk of C groups
 // before one widening madd. |pair sum| <= 2 * 127 * max code, so a chunk of C stays below 2^15 when
@@ -233,7 +244,6 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
     p[2] = chunk32<4, 2>(u, xq), p[3] = chunk32<6, 2>(u, xq);
   }
   if (Fmt<F>::hb == 4) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
-#endif
   if (Fmt<F>::sub16) {
     s[0] = addi(p[0], p[1]);
     s[1] = addi(p[2], p[3]);
@@ -242,8 +252,32 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
     s[1] = izero();
   }
 }
+#endif
 
-// acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows = R, or given when R = 0), W lanes
+// acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales.
+template <int F>
+__attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
+                                                           const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
+  const int64_t nb = x.K / 32;
+  const float dx = x.d[m * nb + blk];
+  const int32_t sx0 = x.s[m * 2 * nb + 2 * blk], sx1 = x.s[m * 2 * nb + 2 * blk + 1];
+  vi s[2];
+  block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s);
+  const vf vdx = fset(dx);
+  if (Fmt<F>::sub16) {
+    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx0))), acc);
+    acc = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx1))), acc);
+  } else if (Fmt<F>::off) {
+    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * (sx0 + sx1)))), acc);
+  } else {
+    acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
+    const vf fsx = fset(x.ds[m * nb + blk]);  // dx * (float)(sx0 + sx1), a broadcast from memory
+    acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
+  }
+  (void)a1, (void)bm;
+}
+
+// acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0), W lanes
 // of tile `t` from lane e.
 template <int F, int R>
 __attribute__((always_inline)) static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0,
@@ -267,58 +301,45 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
     a0 = h2f(w.d + tb * LANES + e);
     if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
   }
-  const int nr = R ? R : rows;
-  for (int i = 0; i < nr; i++) {
-    const int64_t m = m0 + i;
-    const float dx = x.d[m * nb + blk];
-    const int32_t sx0 = x.s[m * 2 * nb + 2 * blk], sx1 = x.s[m * 2 * nb + 2 * blk + 1];
-    vi s[2];
-    block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s);
-    const vf vdx = fset(dx);
-    if (Fmt<F>::sub16) {
-      acc[i] = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx0))), acc[i]);
-      acc[i] = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx1))), acc[i]);
-    } else if (Fmt<F>::off) {
-      acc[i] = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * (sx0 + sx1)))), acc[i]);
-    } else {
-      acc[i] = ffma(fmul(a0, vdx), cvt(s[0]), acc[i]);
-      const vf fsx = fset(dx * (float)(sx0 + sx1));
-      acc[i] = Fmt<F>::kq ? ffnma(bm, fsx, acc[i]) : ffma(bm, fsx, acc[i]);
-    }
+  if constexpr (R == 0 || Fmt<F>::sub16) {  // unrolled, Q6_K's rows spill: its two scales and high bits take registers
+    for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
+  } else {  // unrolled to R, the most rows: the accumulators stay in registers
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++)
+      if (i < rows) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
   }
 }
 
-// Rows m0..m0+rows-1 (rows = R, or given up to RMAX when R = 0) against W lanes of tile `t` at a time, blocks in
+// Rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0) against W lanes of tile `t` at a time, blocks in
 // order. Each block's codes are unpacked once for all the rows, and the next blocks' planes are prefetched so
 // memory keeps streaming while the rows compute.
 template <int F, int R>
 static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t m0, int rows) {
   const int64_t nb = w.K / 32;
-  const int nr = R ? R : rows;
   const int pf_lo = 4 * LOAD, pf_hi = hi_bytes(Fmt<F>::hb);
   for (int e = 0; e < LANES; e += W) {
     const int64_t n0 = t * LANES + e;
     if (n0 >= w.N) break;
     const int n = (int)(w.N - n0 < W ? w.N - n0 : W);
     vf acc[R ? R : RMAX];
-    for (int i = 0; i < nr; i++) acc[i] = fzero();
+    for (int i = 0; i < rows; i++) acc[i] = fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
       if (e == 0) {  // planes are tile-major: `ahead` runs on into tile t + 1; later lane groups find it cached
         const int64_t ahead = t * nb + blk + PREFETCH_BLOCKS;
         for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
         for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
       }
-      tile_block<F, R>(w, x, t, blk, e, m0, nr, acc);
+      tile_block<F, R>(w, x, t, blk, e, m0, rows, acc);
     }
-    for (int i = 0; i < nr; i++) {
+    for (int i = 0; i < rows; i++) {
       vf v = bias ? fadd(acc[i], fload(bias + n0, n)) : acc[i];
       fstore(y + (m0 + i) * w.N + n0, v, n);
     }
   }
 }
 
-// Every input row against one row tile: up to 8 rows unrolled at compile time, more in passes of up to RMAX rows
-// (a run-time count) that unpack each block once per pass.
+// Every input row against one row tile: up to 8 rows unrolled at compile time for their exact count, up to 16 (AVX-512)
+// unrolled to 12 or 16 with a run-time count, more in passes of up to RMAX rows that unpack each block once per pass.
 template <int F>
 static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
   switch (M) {
@@ -331,6 +352,10 @@ static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y,
     case 7: tile_rows<F, 7>(w, x, bias, y, t, 0, 7); return;
     case 8: tile_rows<F, 8>(w, x, bias, y, t, 0, 8); return;
   }
+#if defined(SD_AVX512)  // 32 vector registers: up to 16 rows' accumulators beside a block's codes
+  if (M <= 12) return tile_rows<F, 12>(w, x, bias, y, t, 0, (int)M);
+  if (M <= 16) return tile_rows<F, 16>(w, x, bias, y, t, 0, (int)M);
+#endif
   for (int64_t m = 0; m < M; m += RMAX) tile_rows<F, 0>(w, x, bias, y, t, m, (int)(M - m < RMAX ? M - m : RMAX));
 }
 
@@ -350,7 +375,7 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
 // Row m of x [M, K] fp32 -> q int8 [K], d [K/32], s [K/16] (at row m of each). Lane-wise float operations only
 // (|x| and max are exact, then one multiply and a round to nearest even per value), so every build returns the
 // same codes as the scalar definition: amax = max |x_i|, d = amax / 127, q_i = nearbyint(x_i * (1 / d)).
-static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, int64_t m, int64_t K) {
+static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, float* ds, int64_t m, int64_t K) {
   for (int64_t b = 0; b < K / 32; b++) {
     const float* xb = x + m * K + b * 32;
     vf mx = fzero();
@@ -368,6 +393,7 @@ static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, int64_
       (i < 16 ? s0 : s1) += qi[i];
     }
     d[m * (K / 32) + b] = db;
+    ds[m * (K / 32) + b] = db * (float)(s0 + s1);
     s[m * (K / 16) + 2 * b] = s0;
     s[m * (K / 16) + 2 * b + 1] = s1;
   }
@@ -382,7 +408,8 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   std::unique_ptr<float[]> d(new float[M * K / 32]);
   std::unique_ptr<int32_t[]> s(new int32_t[M * K / 16]);
-  const QX x = {q.get(), d.get(), s.get(), K};
+  std::unique_ptr<float[]> ds(new float[M * K / 32]);
+  const QX x = {q.get(), d.get(), s.get(), ds.get(), K};
   QW w[MAX_WEIGHTS];
   int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
   for (int i = 0; i < nw; i++) {
@@ -393,7 +420,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), s.get(), m, K);
+    for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), s.get(), ds.get(), m, K);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < first[nw]; g++) {
       int i = 0;
