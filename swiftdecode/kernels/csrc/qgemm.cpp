@@ -301,7 +301,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
     a0 = h2f(w.d + tb * LANES + e);
     if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
   }
-  if constexpr (R == 0 || Fmt<F>::sub16) {  // unrolled, Q6_K's rows spill: its two scales and high bits take registers
+  if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: Q6_K's rows, unrolled, spill (two scales, high bits)
     for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
   } else {  // unrolled to R, the most rows: the accumulators stay in registers
 #pragma GCC unroll 16
@@ -372,7 +372,7 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
   }
 }
 
-// Row m of x [M, K] fp32 -> q int8 [K], d [K/32], s [K/16] (at row m of each). Lane-wise float operations only
+// Row m of x [M, K] fp32 -> q int8 [K], d [K/32], s [K/16], ds [K/32] (at row m of each). Lane-wise float operations only
 // (|x| and max are exact, then one multiply and a round to nearest even per value), so every build returns the
 // same codes as the scalar definition: amax = max |x_i|, d = amax / 127, q_i = nearbyint(x_i * (1 / d)).
 static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, float* ds, int64_t m, int64_t K) {
