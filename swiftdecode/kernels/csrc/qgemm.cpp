@@ -301,7 +301,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
     a0 = h2f(w.d + tb * LANES + e);
     if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
   }
-  if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: Q6_K's rows, unrolled, spill (two scales, high bits)
+  if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K (unrolled, it spills)
     for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
   } else {  // unrolled to R, the most rows: the accumulators stay in registers
 #pragma GCC unroll 16
