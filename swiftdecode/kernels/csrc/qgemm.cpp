@@ -259,22 +259,20 @@ template <int F>
 __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
                                                            const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
   const int64_t nb = x.K / 32;
-  const float dx = x.d[m * nb + blk];
-  const int32_t sx0 = x.s[m * 2 * nb + 2 * blk], sx1 = x.s[m * 2 * nb + 2 * blk + 1];
+  const int32_t* sx = x.s + m * 2 * nb + 2 * blk;  // the block's two 16-value sums of q (offset formats)
   vi s[2];
   block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s);
-  const vf vdx = fset(dx);
+  const vf vdx = fset(x.d[m * nb + blk]);
   if (Fmt<F>::sub16) {
-    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx0))), acc);
-    acc = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx1))), acc);
+    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx[0]))), acc);
+    acc = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx[1]))), acc);
   } else if (Fmt<F>::off) {
-    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * (sx0 + sx1)))), acc);
+    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * (sx[0] + sx[1])))), acc);
   } else {
     acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
-    const vf fsx = fset(x.ds[m * nb + blk]);  // dx * (float)(sx0 + sx1), a broadcast from memory
+    const vf fsx = fset(x.ds[m * nb + blk]);  // d * (float)(sx[0] + sx[1]), a broadcast from memory
     acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
   }
-  (void)a1, (void)bm;
 }
 
 // acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0), W lanes
