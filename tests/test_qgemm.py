@@ -63,6 +63,33 @@ def test_formats(kind):
     assert all(torch.equal(r, results[0]) for r in results), "the ISA builds disagree"
 
 
+def test_activation_codes_follow_their_definition():
+    """Each input row is quantized per 32 values as documented (d = amax / 127, q = nearbyint(x / d), ties to
+    even, NaN skipped in amax): a Q8_0 weight whose row j selects input j with weight 1 returns d * q exactly."""
+    k = 64
+    data = np.zeros((k, k // 32, 34), dtype=np.uint8)
+    data[..., 0:2] = np.array([1.0] * (k * k // 32), dtype=np.float16).view(np.uint8).reshape(k, k // 32, 2)
+    for j in range(k):
+        data[j, j // 32, 2 + j % 32] = 1
+    w = QuantWeight.from_gguf("Q8_0", data.reshape(k, -1), k, k)
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 2, (5, k)).astype(np.float32)
+    x[1, :32] = np.r_[127, np.arange(31) - 15.5]  # d = 1 and half-integer x / d: ties go to even codes
+    x[2, 3] = np.nan
+    x[3, 32:] = 0.0
+    blocks = x.reshape(5, k // 32, 32)
+    amax = np.max(np.where(np.isnan(blocks), 0, np.abs(blocks)), axis=2, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        q = np.rint(blocks * inv)
+    q = np.where(np.isnan(q), 0, q)  # NaN codes: the int32 conversion's INT_MIN, whose low byte is 0
+    want = torch.from_numpy((d * q.astype(np.float32)).reshape(5, k).astype(np.float32))
+    for kern in kernels():
+        got = kern.linear(torch.from_numpy(x), w)
+        assert torch.equal(got, want), f"{kern.isa}: activation codes differ from their definition"
+
+
 def test_select_rows_matches_full_product():
     n, k = 100, 256
     w = QuantWeight.from_gguf("Q4_K", random_blocks("Q4_K", n, k), n, k)

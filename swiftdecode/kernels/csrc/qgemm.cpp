@@ -31,6 +31,7 @@
 #include <memory>
 
 #include "qgemm.h"
+#include "split.h"
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
 #define LANES 16  // rows per tile
@@ -100,8 +101,13 @@ static inline vf floadu(const float* p) { return _mm512_loadu_ps(p); }
 static inline vf fabs_(vf a) { return _mm512_abs_ps(a); }
 static inline vf fmax_(vf a, vf b) { return _mm512_max_ps(a, b); }  // b where a is NaN (as fmaxf(b, a))
 static inline vi fround(vf a) { return _mm512_cvtps_epi32(a); }      // current rounding mode: nearest even
-static inline void istore(int32_t* p, vi a) { _mm512_storeu_si512((void*)p, a); }
-static inline void fstoreu(float* p, vf a) { _mm512_storeu_ps(p, a); }
+static inline float hmax(vf a) { return _mm512_reduce_max_ps(a); }  // callers' lanes hold no NaN: any order is exact
+static inline int32_t hsum(vi a) { return _mm512_reduce_add_epi32(a); }
+// The 32 int32 codes of a block -> 32 int8 (their low bytes, as an (int8_t) cast keeps), q[0..31].
+static inline void store_codes(int8_t* q, const vi c[32 / W]) {
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c[0]));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(c[1]));
+}
 #define SD_ISA avx512
 #else
 #define W 8
@@ -141,8 +147,23 @@ static inline vf floadu(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf fabs_(vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 static inline vf fmax_(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vi fround(vf a) { return _mm256_cvtps_epi32(a); }
-static inline void istore(int32_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
-static inline void fstoreu(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline float hmax(vf a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline int32_t hsum(vi a) {
+  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
+}
+static inline void store_codes(int8_t* q, const vi c[32 / W]) {  // low bytes: packs of values 0..255 are exact
+  const vi m8 = _mm256_set1_epi32(0xFF);
+  const vi a = _mm256_packus_epi32(_mm256_and_si256(c[0], m8), _mm256_and_si256(c[1], m8));
+  const vi b = _mm256_packus_epi32(_mm256_and_si256(c[2], m8), _mm256_and_si256(c[3], m8));
+  const vi bytes = _mm256_packus_epi16(a, b);  // per 128-bit half: 4 values of each of c[0..3], in turn
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
 #define SD_ISA avx2
 #endif
 
@@ -372,24 +393,22 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
 
 // Row m of x [M, K] fp32 -> q int8 [K], d [K/32], s [K/16], ds [K/32] (at row m of each). Lane-wise float operations only
 // (|x| and max are exact, then one multiply and a round to nearest even per value), so every build returns the
-// same codes as the scalar definition: amax = max |x_i|, d = amax / 127, q_i = nearbyint(x_i * (1 / d)).
+// same codes as the scalar definition: amax = max |x_i| (NaN values skipped), d = amax / 127,
+// q_i = (int8_t)nearbyint(x_i * (1 / d)), s = the sums of each 16 values' int32 codes.
 static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, float* ds, int64_t m, int64_t K) {
   for (int64_t b = 0; b < K / 32; b++) {
     const float* xb = x + m * K + b * 32;
     vf mx = fzero();
-    for (int j = 0; j < 32; j += W) mx = fmax_(fabs_(floadu(xb + j)), mx);
-    float lanes[W], amax = 0.0f;
-    fstoreu(lanes, mx);
-    for (int j = 0; j < W; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-    const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    int32_t qi[32];
-    for (int j = 0; j < 32; j += W) istore(qi + j, fround(fmul(floadu(xb + j), fset(id))));
-    int8_t* qb = q + m * K + b * 32;
-    int32_t s0 = 0, s1 = 0;
-    for (int i = 0; i < 32; i++) {
-      qb[i] = (int8_t)qi[i];
-      (i < 16 ? s0 : s1) += qi[i];
-    }
+    for (int j = 0; j < 32; j += W) mx = fmax_(fabs_(floadu(xb + j)), mx);  // a NaN |x| keeps mx: no NaN lanes
+    const float db = hmax(mx) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    vi c[32 / W];
+    for (int j = 0; j < 32; j += W) c[j / W] = fround(fmul(floadu(xb + j), fset(id)));
+    store_codes(q + m * K + b * 32, c);
+#if W == 16  // integer sums: any order is exact
+    const int32_t s0 = hsum(c[0]), s1 = hsum(c[1]);
+#else
+    const int32_t s0 = hsum(addi(c[0], c[1])), s1 = hsum(addi(c[2], c[3]));
+#endif
     d[m * (K / 32) + b] = db;
     ds[m * (K / 32) + b] = db * (float)(s0 + s1);
     s[m * (K / 16) + 2 * b] = s0;
@@ -415,16 +434,16 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
     w[i] = {wd->lo, wd->hi, wd->d, wd->d2, wd->sc, wd->mn, wd->N, K};
     first[i + 1] = first[i] + (wd->N + LANES - 1) / LANES;
   }
+  WorkSplit split(nthreads, [&](int t) { return first[nw] * t / nthreads; });  // equal tiles per thread
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), s.get(), ds.get(), m, K);
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < first[nw]; g++) {
-      int i = 0;
-      while (g >= first[i + 1]) i++;
-      run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M);
-    }
+    for (int64_t b, e, me = omp_get_thread_num(); split.next((int)me, &b, &e);)
+      for (int64_t g = b, i = 0; g < e; g++) {
+        while (g >= first[i + 1]) i++;
+        run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M);
+      }
   }
 }
 

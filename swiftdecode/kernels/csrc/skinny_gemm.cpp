@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "split.h"
+
 #define MC 64  // rows per pass over the weights: keeps the x panel in L2 for long inputs
 
 #if defined(SD_AVX512)
@@ -629,16 +631,18 @@ static inline int64_t row_keys(const float* mr, int64_t T, int64_t M, int64_t m)
   return n;
 }
 
-// The work items [lo, hi) of thread tid of nt: a contiguous run of about 1/nt of the total cost (cost[i]: the cost
-// of the items before item i; an item's cost: the keys its row sees plus ITEM_OVERHEAD). Rows see different
-// numbers of keys (a causal prefill's first rows few, its last ones many; requests' caches differ in length),
-// so equal counts of items are unequal work: counted as T keys each, a 1024-token prefill gave one of two
-// threads 1.17x the other's work. Contiguous runs keep a sequence's rows, which read the same keys and values,
-// on one core.
-static inline void share(const std::vector<int64_t>& cost, int64_t tid, int64_t nt, int64_t* lo, int64_t* hi) {
+// The work items of a team, thread t first owning a contiguous run of about 1/nt of the total cost (cost[i]: the
+// cost of the items before item i; an item's cost: the keys its row sees plus ITEM_OVERHEAD), then stealing
+// (split.h). Rows see different numbers of keys (a causal prefill's first rows few, its last ones many;
+// requests' caches differ in length), so equal counts of items are unequal work: counted as T keys each, a
+// 1024-token prefill gave one of two threads 1.17x the other's work. Contiguous runs keep a sequence's rows,
+// which read the same keys and values, on one core.
+static inline WorkSplit share(const std::vector<int64_t>& cost, int nt) {
   const int64_t total = cost.back();
-  *lo = std::lower_bound(cost.begin(), cost.end() - 1, total * tid / nt) - cost.begin();
-  *hi = std::lower_bound(cost.begin(), cost.end() - 1, total * (tid + 1) / nt) - cost.begin();
+  return WorkSplit(nt, [&](int t) {
+    return t == nt ? (int64_t)cost.size() - 1
+                   : std::lower_bound(cost.begin(), cost.end() - 1, total * t / nt) - cost.begin();
+  });
 }
 
 // Attention for M query rows of one sequence, order-invariant: each (head, row) output is a function of that
@@ -655,14 +659,14 @@ extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float*
   std::vector<int64_t> keys(M), cost(items + 1, 0);
   for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(mask ? mask + m * mask_sm : nullptr, T, M, m);
   for (int64_t it = 0; it < items; ++it) cost[it + 1] = cost[it] + keys[it % M] + ITEM_OVERHEAD;
+  WorkSplit split = share(cost, nthreads);
 #pragma omp parallel num_threads(nthreads)
   {
-    int64_t lo, hi;
-    share(cost, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * T;
-    for (int64_t it = lo; it < hi; ++it)
-      attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale, sc,
-                  it / (subs * M), (it / M) % subs, it % M);
+    for (int64_t lo, hi; split.next(omp_get_thread_num(), &lo, &hi);)
+      for (int64_t it = lo; it < hi; ++it)
+        attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale, sc,
+                    it / (subs * M), (it / M) % subs, it % M);
   }
 }
 
@@ -686,22 +690,22 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
     for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(masks[i] ? masks[i] + m * dims[5 * i + 3] : nullptr, T, M, m);
     for (; it < first[i + 1]; ++it) cost[it + 1] = cost[it] + keys[(it - first[i]) % M] + ITEM_OVERHEAD;
   }
+  WorkSplit split = share(cost, nthreads);
 #pragma omp parallel num_threads(nthreads)
   {
-    int64_t lo, hi;
-    share(cost, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     float* sc = scratch + (int64_t)omp_get_thread_num() * (HB + 1) * max_t;
-    for (int64_t it = lo, i = 0; it < hi; ++it) {  // the last thread's hi is the end
-      while (it >= first[i + 1]) ++i;
-      const int64_t* di = dims + 5 * i;
-      const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
-      if (kv_half)
-        attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2],
-                    D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
-      else
-        attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
-                    masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
-    }
+    for (int64_t lo, hi; split.next(omp_get_thread_num(), &lo, &hi);)
+      for (int64_t it = lo, i = 0; it < hi; ++it) {
+        while (it >= first[i + 1]) ++i;
+        const int64_t* di = dims + 5 * i;
+        const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
+        if (kv_half)
+          attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2],
+                      D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+        else
+          attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
+                      masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+      }
   }
 }
 
