@@ -439,7 +439,8 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), s.get(), ds.get(), m, K);
-    for (int64_t b, e, me = omp_get_thread_num(); split.next((int)me, &b, &e);)
+    const int me = omp_get_thread_num();
+    for (int64_t b, e; split.next(me, &b, &e);)
       for (int64_t g = b, i = 0; g < e; g++) {
         while (g >= first[i + 1]) i++;
         run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M);

@@ -639,9 +639,8 @@ static inline int64_t row_keys(const float* mr, int64_t T, int64_t M, int64_t m)
 // which read the same keys and values, on one core.
 static inline WorkSplit share(const std::vector<int64_t>& cost, int nt) {
   const int64_t total = cost.back();
-  return WorkSplit(nt, [&](int t) {
-    return t == nt ? (int64_t)cost.size() - 1
-                   : std::lower_bound(cost.begin(), cost.end() - 1, total * t / nt) - cost.begin();
+  return WorkSplit(nt, [&](int t) {  // t = nt: every item (each costs at least ITEM_OVERHEAD)
+    return std::lower_bound(cost.begin(), cost.end() - 1, total * t / nt) - cost.begin();
   });
 }
 

@@ -32,10 +32,10 @@ class WorkSplit {
   }
 
  public:
-  // A range per requested thread, thread t's from bound(t) to bound(t + 1) (bound(0) = 0, bound(threads) = n,
-  // n < 2^32); a smaller team takes the missing threads' ranges by stealing.
+  // A range per requested thread (threads >= 1), thread t's from bound(t) to bound(t + 1) (bound(0) = 0,
+  // bound(threads) = n, n < 2^32); a smaller team takes the missing threads' ranges by stealing.
   template <class Bound>
-  WorkSplit(int threads, Bound bound) : r(new Range[std::max(threads, 1)]), T(std::max(threads, 1)) {
+  WorkSplit(int threads, Bound bound) : r(new Range[threads]), T(threads) {
     for (int t = 0; t < T; t++) r[t].v.store((uint64_t)bound(t) | (uint64_t)bound(t + 1) << 32);
   }
   bool next(int me, int64_t* b, int64_t* e) {  // the next items [b, e) for thread `me`; false when all are done
