@@ -44,6 +44,19 @@ def run_batched(gen: Generator, joins: list[int], leave: int | None = None) -> l
     return reqs
 
 
+def _why(gen: Generator, k: int, ref) -> str:
+    """What a mismatch report needs to tell a batching fault from a solo run that changed: the paths the model
+    runs on, the solo run's rounds, and whether running MIX[k] alone again gives the same tokens."""
+    from swiftdecode.fastpath import info_of
+
+    again = gen.generate(MIX[k][0], chat=True, **MIX[k][1]).token_ids
+    return (
+        f"fast path {info_of(gen.sm.model).reason!r}, layer loop {gen.sm.layer_loop()}, solo rounds "
+        f"{ref.stats.round_kinds}; MIX[{k}] alone again {'equals' if again == ref.token_ids else 'differs from'} "
+        f"the first solo run: {again[:8]}"
+    )
+
+
 @pytest.mark.parametrize("model_name", ["smollm", "qwen"])
 def test_batched_requests_are_their_solo_runs(request, model_name):
     model, tok = request.getfixturevalue(model_name)
@@ -52,7 +65,7 @@ def test_batched_requests_are_their_solo_runs(request, model_name):
     for joins in ([0] * len(MIX), [0, 1, 2, 5, 9, 14, 15]):
         reqs = run_batched(gen, joins)
         for k, (req, ref) in enumerate(zip(reqs, solo, strict=True)):
-            assert req.new == ref.token_ids, f"request {k} (joins {joins}) differs from its solo run"
+            assert req.new == ref.token_ids, f"request {k} (joins {joins}) differs from solo: {_why(gen, k, ref)}"
             assert req.finish == ref.finish_reason
         assert sum(r.stats.batched_rounds for r in reqs) > 0  # they did decode together
     leaver = run_batched(gen, [0, 0, 0, 1, 1, 2, 2], leave=1)
