@@ -15,7 +15,7 @@ import torch
 from swiftdecode.config import METHODS, PAPER_SEARCH, EngineConfig, preset
 from swiftdecode.drafting import DraftVocab, add_chain, draft
 from swiftdecode.errors import UserError
-from swiftdecode.model import SwiftModel
+from swiftdecode.model import SwiftModel, warm_up
 from swiftdecode.params import check_params
 from swiftdecode.prefix import PrefixStore
 from swiftdecode.request import GenerationResult, Request, StreamEvent
@@ -44,7 +44,7 @@ class Generator:
     ):  # fmt: skip
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method, self.tokenizer, self.sm = method, tokenizer, SwiftModel(model)
+        self.method, self.tokenizer, self.sm = method, tokenizer, warm_up(SwiftModel(model))  # see warm_up
         self.cfg = cfg = config or (preset(method) if method != "ar" else None)
         self.prompts, self.eos = Prompts(tokenizer, self.sm.vocab_size, self.sm.max_length), eos_ids(model, tokenizer)
         self.vocab = DraftVocab(self.sm, cfg.draft_vocab if cfg else 0)

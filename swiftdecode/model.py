@@ -12,6 +12,10 @@ from swiftdecode.kernels.qweight import QuantWeight
 from swiftdecode.skip import LayerSkipper, SkipSet
 from swiftdecode.tree import attention_mask
 
+# Tokens of the forward `warm_up` runs: two rows take every kernel path a prompt's prefill takes (several-row
+# products, causal attention), at a cost of a few milliseconds.
+WARM_UP_TOKENS = 2
+
 
 class SwiftModel:
     """Holds the model, its sublayer skipper and the cache of the sequence being decoded (batch size 1)."""
@@ -178,3 +182,19 @@ def _changed(old: torch.Tensor, new: torch.Tensor, size: int) -> tuple[torch.Ten
     in_old = torch.zeros(size, dtype=torch.bool, device=old.device)
     in_old[old] = True
     return torch.nonzero(~in_new[old]).flatten(), new[~in_old[new]]
+
+
+def warm_up(sm: SwiftModel) -> SwiftModel:
+    """Run a short forward on each layer loop `sm` has (the Python loop, with an observer, and the native one), on
+    scratch caches, results discarded; returns sm. Why: in a fresh process under CPU contention the first forward
+    sometimes returned other bits (seen 1 run in 12-16 here, cause not found; README, "A process's first
+    forward"); later forwards never did. Call it from the thread that will decode."""
+    saved, observer = sm.cache, sm.observer
+    loops = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]
+    try:
+        for sm.observer in loops:
+            sm.cache = SwiftCache(sm.n_layers)
+            sm.prefill(list(range(WARM_UP_TOKENS)))
+    finally:
+        sm.cache, sm.observer = saved, observer
+    return sm

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.openmp import release_thread_pool
+from swiftdecode.model import warm_up
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
 
@@ -145,6 +146,7 @@ class Worker:
         self.thread.join(timeout=JOIN_S)
 
     def _loop(self) -> None:
+        warm_up(self.running.gen.sm)  # this thread's first forward (its own OpenMP pool) is not a request's
         while True:
             with self.cond:
                 while not self.pending and not self.running and not self.closed:
