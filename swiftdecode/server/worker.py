@@ -146,7 +146,7 @@ class Worker:
         self.thread.join(timeout=JOIN_S)
 
     def _loop(self) -> None:
-        warm_up(self.running.gen.sm)  # this thread's first forward (its own OpenMP pool) is not a request's
+        warm_up(self.running.gen.sm)  # this thread runs the forwards: its first one is not a request's (see warm_up)
         while True:
             with self.cond:
                 while not self.pending and not self.running and not self.closed:
