@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from swiftdecode.cache import SwiftCache
@@ -21,6 +22,7 @@ from swiftdecode.kernels.qgemm import Plan
 from swiftdecode.skip import SkipSet
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")  # same layer anatomy; Qwen3 (q/k norms) and Gemma run through HF
+DYNAMIC_ROPE = ("dynamic", "longrope")  # rope types whose frequencies change with the sequence: HF's module computes
 
 
 def supported(model: torch.nn.Module) -> bool:
@@ -75,7 +77,7 @@ class LeanDecoder:
         mask's first columns). Returns [R, H]. Row r's result depends on its own inputs and sequence only, bit
         for bit: every other operation is row-local."""
         x = self.base.embed_tokens(ids).contiguous()
-        cos, sin = (t[0].float().contiguous() for t in self.base.rotary_emb(x[None], positions[None]))  # [R, D]
+        cos, sin = rotary(self.base.rotary_emb, x, positions)
         fused = self._native(kernel) if observe is None else None
         if fused is not None:
             self._run_native(fused, x, cos, sin, masks, caches, skip, kernel)
@@ -149,6 +151,20 @@ class LeanDecoder:
             cache.reserve(rows, self.kv_heads, self.head_dim, dtype)
             max_t = max(max_t, cache.length + rows)  # layer 0 (never skipped) is the longest
         fused.run(x, cos, sin, flags, seqs, [c.table for c in caches], kernel.attention_scratch(max_t))
+
+
+def rotary(rope: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [R, D] fp32 of HF's rotary embedding `rope` at `positions` [R]: the same formula (float32 angles
+    position * inv_freq, halves repeated, times attention_scaling), with cos and sin evaluated in float64 by numpy
+    and rounded to float32. Why not torch's float32 cos: in a process's first forward, under CPU contention, it
+    sometimes returned a table up to 1.5e-4 off (README, "A process's first forward"); numpy's float64 functions
+    (no MKL) return the same bits on every call."""
+    if getattr(rope, "rope_type", None) in DYNAMIC_ROPE:
+        return tuple(t[0].float().contiguous() for t in rope(x[None], positions[None]))
+    angles = (positions.float()[:, None] * rope.inv_freq.float()[None, :]).numpy().astype(np.float64)  # [R, D/2]
+    scale = torch.tensor(rope.attention_scaling, dtype=torch.float32)
+    halves = (torch.from_numpy(f(angles).astype(np.float32)) * scale for f in (np.cos, np.sin))
+    return tuple(torch.cat((h, h), dim=-1) for h in halves)
 
 
 def _plan(linears: tuple) -> Plan | None:

@@ -187,9 +187,11 @@ def _changed(old: torch.Tensor, new: torch.Tensor, size: int) -> tuple[torch.Ten
 
 def warm_up(sm: SwiftModel) -> SwiftModel:
     """Run a short forward on each layer loop `sm` has (the Python loop, with an observer, and the native one), on
-    scratch caches, results discarded; returns sm. Why: in a fresh process under CPU contention the first forward
-    sometimes returned other bits (seen 1 run in 12-16 here, cause not found; README, "A process's first
-    forward"); later forwards never did. Call it from the thread that will decode."""
+    scratch caches, results discarded; returns sm. Why: in a fresh process under CPU contention torch's float32
+    cos sometimes returned a reduced-accuracy table on its first call (README, "A process's first forward"). The
+    lean forward no longer uses it (`lean.rotary`); the transformers layer loop (Gemma) still runs torch's
+    transcendental functions, so their first calls happen here, not in a request. Call it from the thread that
+    will decode."""
     saved, observer = sm.cache, sm.observer
     loops = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]
     try:

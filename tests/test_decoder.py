@@ -95,3 +95,26 @@ def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, 
         sm = SwiftModel(m)
         outs.append(sm.logits(sm.prefill(list(range(300, 340)))))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", ["smollm", "qwen"])
+def test_rotary_tables_are_hfs_formula_rounded_from_float64(request, name):
+    """The lean forward's cos/sin tables: HF's rotary formula (within float32 rounding of HF's own tables), each
+    value the float64 evaluation rounded to float32, and the same bits on every call (torch's float32 cos once
+    returned a table 1.5e-4 off in a process's first forward)."""
+    from swiftdecode.lean import rotary
+
+    model, _ = request.getfixturevalue(name)
+    rope = model.get_decoder().rotary_emb
+    positions = torch.cat([torch.arange(0, 70), torch.tensor([511, 4095, 4096, 30000])])
+    x = torch.zeros(len(positions), 8)
+    cos, sin = rotary(rope, x, positions)
+    hf_cos, hf_sin = (t[0].float() for t in rope(x[None], positions[None]))
+    torch.testing.assert_close(cos, hf_cos, rtol=0, atol=2e-7)
+    torch.testing.assert_close(sin, hf_sin, rtol=0, atol=2e-7)
+    angles = (positions.float()[:, None] * rope.inv_freq.float()[None, :]).double()
+    angles = torch.cat((angles, angles), -1)
+    assert torch.equal(cos, angles.cos().float() * rope.attention_scaling)
+    assert torch.equal(sin, angles.sin().float() * rope.attention_scaling)
+    again = rotary(rope, x, positions)
+    assert torch.equal(again[0], cos) and torch.equal(again[1], sin)
