@@ -22,7 +22,7 @@ from swiftdecode.kernels.qgemm import Plan
 from swiftdecode.skip import SkipSet
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")  # same layer anatomy; Qwen3 (q/k norms) and Gemma run through HF
-DYNAMIC_ROPE = ("dynamic", "longrope")  # rope types whose frequencies change with the sequence: HF's module computes
+DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies change with the sequence: HF's module computes those tables
 
 
 def supported(model: torch.nn.Module) -> bool:
@@ -162,8 +162,7 @@ def rotary(rope: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> t
     if getattr(rope, "rope_type", None) in DYNAMIC_ROPE:
         return tuple(t[0].float().contiguous() for t in rope(x[None], positions[None]))
     angles = (positions.float()[:, None] * rope.inv_freq.float()[None, :]).numpy().astype(np.float64)  # [R, D/2]
-    scale = torch.tensor(rope.attention_scaling, dtype=torch.float32)
-    halves = (torch.from_numpy(f(angles).astype(np.float32)) * scale for f in (np.cos, np.sin))
+    halves = (torch.from_numpy(f(angles).astype(np.float32)) * rope.attention_scaling for f in (np.cos, np.sin))
     return tuple(torch.cat((h, h), dim=-1) for h in halves)
 
 

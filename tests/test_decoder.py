@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftdecode.cache import SwiftCache
+from swiftdecode.lean import rotary
 from swiftdecode.model import SwiftModel
 from swiftdecode.skip import SkipSet
 from swiftdecode.tree import attention_mask
@@ -102,8 +103,6 @@ def test_rotary_tables_are_hfs_formula_rounded_from_float64(request, name):
     """The lean forward's cos/sin tables: HF's rotary formula (within float32 rounding of HF's own tables), each
     value the float64 evaluation rounded to float32, and the same bits on every call (torch's float32 cos once
     returned a table 1.5e-4 off in a process's first forward)."""
-    from swiftdecode.lean import rotary
-
     model, _ = request.getfixturevalue(name)
     rope = model.get_decoder().rotary_emb
     positions = torch.cat([torch.arange(0, 70), torch.tensor([511, 4095, 4096, 30000])])
