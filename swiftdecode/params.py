@@ -5,6 +5,7 @@ Torch-free, so the apps can check their input before anything heavy is imported.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ def check_params(
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens), "an integer"),
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, ">= 1"),
         ("temperature", temperature, _is_number(temperature), "a number"),
-        ("temperature", temperature, _is_number(temperature) and temperature >= 0, ">= 0"),
+        ("temperature", temperature, _is_number(temperature) and 0 <= temperature < math.inf, "finite and >= 0"),
         ("top_p", top_p, _is_number(top_p), "a number"),
         ("top_p", top_p, _is_number(top_p) and 0 < top_p <= 1, "in (0, 1]"),
         ("top_k", top_k, _is_int(top_k), "an integer"),

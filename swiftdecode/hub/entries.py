@@ -40,12 +40,20 @@ def entry_ok(folder: Path, source_sha256: str) -> bool:
         return False
 
 
+def make_dir(folder: Path) -> None:
+    """Create `folder` (and its parents) if missing; UserError, not a traceback, where that is impossible."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the cache directory {folder}: {e.strerror or e}") from None
+
+
 @contextmanager
 def locked(cache: Path, key: str):
     """Exclusive lock on `<cache>/.<key>.lock` so two processes never build the same entry at once."""
     import fcntl
 
-    cache.mkdir(parents=True, exist_ok=True)
+    make_dir(cache)
     with open(cache / f".{key}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -55,7 +63,7 @@ def locked(cache: Path, key: str):
 
 
 def check_space(folder: Path, need: int, what: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder)
     free = shutil.disk_usage(folder).free
     if free < need:
         raise UserError(
