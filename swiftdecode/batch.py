@@ -109,9 +109,11 @@ class Batch:
         out = []
         for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
             path, bonus = verify(tree, scores, req.sampler, start)
-            req.cache.keep(start, [0] + [i + 1 for i in path])
+            kept = [0] + [i + 1 for i in path]  # rows that chose the round's tokens
+            req.cache.keep(start, kept)
             _account(req, tree, path, seconds)
-            out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus])))
+            rows = scores[kept] if req.top_logprobs is not None else None
+            out.append((req, gen.advance(req, [tree.tokens[i] for i in path] + [bonus], rows)))
         if joiner is not None:
             out += self._prefilled(joiner, end, seconds, logits[-1] if end == len(joiner.ids) else None)
         return out
@@ -123,7 +125,7 @@ class Batch:
         if logits is None:
             return []
         self.remove(req)
-        event = self.gen.advance(req, [req.sampler.pick(logits[0], len(req.ids))])
+        event = self.gen.advance(req, [req.sampler.pick(logits[0], len(req.ids))], logits[:1])
         if not req.done:
             self.active.append(req)
         return [(req, event)]

@@ -22,7 +22,6 @@ from swiftdecode.request import GenerationResult, Request, StreamEvent
 from swiftdecode.rowcost import CopyPlanner
 from swiftdecode.sampling import Sampler
 from swiftdecode.scheduler import RoundScheduler
-from swiftdecode.search import LayerSearch
 from swiftdecode.skip import SkipSet
 from swiftdecode.text import Prompts, eos_ids
 from swiftdecode.tree import Tree
@@ -60,25 +59,18 @@ class Generator:
         """The skip set the draft uses now (None before one is chosen, or without the skip draft)."""
         return self.tuner.skip if self.tuner else None
 
-    @property
-    def search(self) -> LayerSearch | None:
-        return self.tuner.search if self.tuner else None
-
     # ---- public API -------------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
         return self.prompts.chat_ids(messages)
 
-    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
-        """Generate to completion; see `stream` for the parameters."""
-        return next(event.result for event in self.stream(prompt, **kwargs) if event.result is not None)
+    def generate(self, prompt: str | list[int], **params) -> GenerationResult:
+        """Generate to completion; see `request` for the parameters."""
+        return next(event.result for event in self.stream(prompt, **params) if event.result is not None)
 
-    def stream(
-        self, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-        top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
-    ) -> Iterator[StreamEvent]:  # fmt: skip
-        """Validate, then return an iterator of text pieces; the last event carries the GenerationResult."""
-        return self._run(self.request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat))
+    def stream(self, prompt: str | list[int], **params) -> Iterator[StreamEvent]:
+        """Validate (see `request`), then return an iterator of text pieces; the last event carries the result."""
+        return self._run(self.request(prompt, **params))
 
     def _run(self, req: Request) -> Iterator[StreamEvent]:
         yield from filter(None, [self.begin(req)])  # rounds whose tokens show no new text yield no event
@@ -86,14 +78,17 @@ class Generator:
             yield from filter(None, [self.step(req)])
 
     def request(
-        self, prompt, max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, chat=False
-    ) -> Request:
-        """A validated request, not started (UserError on bad input); see `stream` for the parameters."""
-        params = check_params(max_new_tokens, temperature, top_p, top_k, stop)
+        self, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+        top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
+        logprobs: int | None = None,
+    ) -> Request:  # fmt: skip
+        """A validated request, not started (UserError on bad input). `logprobs` (0-20; None: off): each token's
+        log-probability and that many alternatives (`logprobs.TokenLogprob`, in the events and the result)."""
+        params = check_params(max_new_tokens, temperature, top_p, top_k, stop, logprobs=logprobs)
         ids = self.prompts.encode(prompt, chat)  # shorter than the model's context
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63))
         budget = min(max_new_tokens, self.sm.max_length - len(ids))
-        return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers)
+        return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers, logprobs)
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""
@@ -105,19 +100,20 @@ class Generator:
             logits = self.tuner.prefill(req.ids)
         first = req.sampler.pick(logits, len(req.ids))
         req.stats.time_split["prefill"] = time.perf_counter() - t
-        return self.advance(req, [first])
+        return self.advance(req, [first], logits[None])
 
     def step(self, req: Request) -> StreamEvent | None:
         """One decoding round of a started request."""
         self.sm.cache = req.cache
-        return self.advance(req, self._round(req))
+        return self.advance(req, *self._round(req))
 
-    def advance(self, req: Request, tokens: list[int]) -> StreamEvent | None:
-        """Give the request a round's tokens; on completion, record its stats and keep its cache entries."""
-        event = req.take(tokens)
+    def advance(self, req: Request, tokens: list[int], rows: torch.Tensor | None = None) -> StreamEvent | None:
+        """Give the request a round's tokens (`Request.take`); on completion, record its stats, keep its cache."""
+        event = req.take(tokens, rows)
         if req.done:
             if self.skip is not None:
-                req.stats.skip, req.stats.search = self.skip.to_dict(), self.search.state if self.search else "off"
+                search = self.tuner.search  # a skip set implies its tuner
+                req.stats.skip, req.stats.search = self.skip.to_dict(), search.state if search else "off"
             self.vocab.count(req.new)
             self.prefixes.save(req.ctx[: req.cache.length], req.cache)  # entry i holds ctx[i]'s keys and values
         return event
@@ -136,16 +132,17 @@ class Generator:
         return self.tuner is None or (self.tuner.skip is not None and not self.tuner.sparse())
 
     # ---- one round --------------------------------------------------------------------------------------
-    def _round(self, req: Request) -> list[int]:
-        """One round from the last token of req.ctx (not yet cached); returns the new tokens. It copies from the
-        context where the copied tokens pay for their rows (as measured), else plain step or skip-model draft."""
+    def _round(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
+        """One round from the last token of req.ctx (not yet cached): a copy from the context where its tokens pay
+        for their rows (as measured), else a plain step or a skip-model draft. The new tokens and (for logprobs)
+        the logits rows that chose them."""
         ctx, room, sampler, stats = req.ctx, req.room, req.sampler, req.stats
         can_draft, t0, mode, branch = self.skip is not None, time.perf_counter(), "plain", []
         if self.cfg is not None and room > 1:
             branch, pays = self.copies.plan(req, 1, min(self.draft_cfg[sampler.params.greedy].ngram, room - 1))
             mode = self.schedule.kind(can_draft, pays > 0)
             branch = branch[:pays] if mode == "ngram" else branch
-        out = plain_step(self.sm, ctx, sampler) if mode == "plain" else self._tree_round(req, mode, branch)
+        out, rows = plain_step(self.sm, ctx, sampler) if mode == "plain" else self._tree_round(req, mode, branch)
         seconds = time.perf_counter() - t0
         if mode == "plain":
             self.copies.line.record(1, seconds)
@@ -156,9 +153,9 @@ class Generator:
             self.schedule.record(mode, len(out), seconds, can_draft)
             if self.tuner is not None:
                 self.tuner.after_round(ctx, out, mode, stats, self.schedule)
-        return out
+        return out, rows if req.top_logprobs is not None else None
 
-    def _tree_round(self, req: Request, mode: str, branch: list[int]) -> list[int]:
+    def _tree_round(self, req: Request, mode: str, branch: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Propose a tree (the skip model's draft if mode == "draft", the n-gram `branch` always), verify it in
         one full forward, keep the accepted path's cache entries; returns the accepted tokens and the bonus."""
         ctx, room, sampler, stats = req.ctx, req.room, req.sampler, req.stats
@@ -173,7 +170,8 @@ class Generator:
         t1 = time.perf_counter()
         logits = sm.logits(sm.forward(tree.input_ids(), tree.positions(P), tree.ancestry()))
         path, bonus = verify(tree, logits, sampler, P)
-        sm.cache.keep(P, [0] + [i + 1 for i in path])
+        kept = [0] + [i + 1 for i in path]  # rows of the root and the accepted nodes: each chose the next token
+        sm.cache.keep(P, kept)
         stats.time_split["verify"] += (verify_s := time.perf_counter() - t1)
         self.copies.line.record(len(tree) + 1, verify_s)
         stats.time_split["draft"] += t1 - t0
@@ -181,11 +179,12 @@ class Generator:
         stats.count_tree(tree, path)
         if steps:
             self.schedule.record_draft((t1 - t0) / steps)
-        return [tree.tokens[i] for i in path] + [bonus]
+        return [tree.tokens[i] for i in path] + [bonus], logits[kept] if req.top_logprobs is not None else None
 
 
-def plain_step(sm: SwiftModel, ctx: list[int], sampler: Sampler) -> list[int]:
-    """Plain decoding: one full forward of the last token (ctx[-1], not yet in sm.cache)."""
+def plain_step(sm: SwiftModel, ctx: list[int], sampler: Sampler) -> tuple[list[int], torch.Tensor]:
+    """Plain decoding: one full forward of the last token (ctx[-1], not yet in sm.cache); the token and its
+    logits [1, V]."""
     P = sm.cache.length
     logits = sm.logits(sm.forward([ctx[-1]], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool)))
-    return [sampler.pick(logits[0], P + 1)]
+    return [sampler.pick(logits[0], P + 1)], logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from swiftdecode import METHODS
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
@@ -12,7 +13,7 @@ from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 
 # engine keyword -> the flag a user typed, for error messages
-FLAGS = {k: "--" + k.replace("_", "-") for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
+FLAGS = {k: "--" + k.replace("_", "-") for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs")}
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,14 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", help="text file (one prompt per line) or Spec-Bench-form JSONL")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="with --json: each token's log-probability and its N likeliest alternatives (0-20)",
+    )  # fmt: skip
     add_sampling_arguments(p)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    check_params(**kw, stop=args.stop, names=FLAGS)
-    return dict(kw, seed=args.seed, stop=args.stop)
+    logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
+    check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
+    return dict(kw, seed=args.seed, stop=args.stop) | ({"logprobs": logprobs} if logprobs is not None else {})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         prompts += [p.text for p in load_prompts(args.prompt_file)]
     if not prompts:
         raise UserError("give --prompt TEXT or --prompt-file FILE")
+    if args.logprobs is not None and not args.json:
+        raise UserError("--logprobs needs --json (the log-probabilities are fields of its records)")
     if any(not p.strip() for p in prompts):
         raise UserError("prompt is empty")
 
@@ -93,7 +101,7 @@ def record(res) -> dict:
         "round_seconds": s["round_seconds"],
         "accepted_by_source": s["accepted_by_source"],
         "search": s["search"],
-    }
+    } | ({"logprobs": [asdict(e) for e in res.logprobs]} if res.logprobs is not None else {})
 
 
 def stats_line(s: dict) -> str:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from swiftdecode.errors import UserError
 
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit for chat completions)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -46,6 +48,7 @@ def check_params(
     top_k: int = 0,
     stop: list[str] | None = None,
     names: Mapping[str, str] | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
     -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself)."""
@@ -60,6 +63,12 @@ def check_params(
         ("top_k", top_k, _is_int(top_k), "an integer"),
         ("top_k", top_k, _is_int(top_k) and top_k >= 0, ">= 0 (0 disables it)"),
         ("stop", stop, stop_ok, "a list of non-empty strings"),
+        (
+            "logprobs",
+            logprobs,
+            logprobs is None or _is_int(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS,
+            f"an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)",
+        ),
     )
     for field, value, holds, what in rules:
         if not holds:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from swiftdecode.cache import SwiftCache
 from swiftdecode.config import MODES
+from swiftdecode.logprobs import TokenLogprob, token_logprobs
 from swiftdecode.sampling import Sampler
 from swiftdecode.text import TextSoFar
 from swiftdecode.tree import SOURCE_NAMES, Tree
@@ -84,6 +87,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass
@@ -91,17 +95,25 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    # entries of tokens whose text has now all been streamed (with `logprobs`), in order: the events' entries
+    # together are the result's
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Request:
     """A generation in progress: prompt ids, sampler, stop rules, its own KV cache and stats.
 
     `ctx` is the prompt plus the tokens taken so far; its last token is not yet in the cache. Its cache never
-    grows past `capacity` entries per layer (prompt, budget and a round's slack).
+    grows past `capacity` entries per layer (prompt, budget and a round's slack). With `top_logprobs` (None: off)
+    each token taken gets its log-probability and that many alternatives.
     """
 
-    def __init__(self, ids: list[int], budget: int, sampler: Sampler, stop: list[str], eos: set[int], decode, layers):
+    def __init__(
+        self, ids: list[int], budget: int, sampler: Sampler, stop: list[str], eos: set[int], decode, layers: int,
+        top_logprobs: int | None = None,
+    ):  # fmt: skip
         self.ids, self.budget, self.sampler, self.stop, self.eos, self.decode = ids, budget, sampler, stop, eos, decode
+        self.top_logprobs, self.logprobs, self.logprobs_sent = top_logprobs, [], 0
         self.capacity = len(ids) + budget + ROUND_SLACK
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
@@ -119,9 +131,10 @@ class Request:
     def done(self) -> bool:
         return self.finish is not None
 
-    def take(self, tokens: list[int]) -> StreamEvent | None:
+    def take(self, tokens: list[int], rows: torch.Tensor | None = None) -> StreamEvent | None:
         """Take a round's tokens (up to EOS, the budget or a stop string); returns the text to stream, if any.
-        Once done, the event carries the GenerationResult (stats.skip/search are the caller's to fill in)."""
+        rows[i]: the logits that chose tokens[i] (needed with top_logprobs). Once done, the event carries the
+        GenerationResult (stats.skip/search are the caller's to fill in)."""
         taken = []
         for tok in tokens:
             if tok in self.eos:
@@ -132,6 +145,8 @@ class Request:
             taken.append(tok)
             if len(self.new) >= self.budget:
                 break
+        if self.top_logprobs is not None and taken:
+            self.logprobs += token_logprobs(rows, taken, self.top_logprobs)
         text = self.so_far.update(self.new)
         if self.finish is not None or len(self.new) >= self.budget or find_stop(text, self.stop) is not None:
             text = self.decode(self.new)  # the end is decided on the whole text, decoded once
@@ -139,16 +154,20 @@ class Request:
             if cut is not None:
                 text, self.finish = text[:cut], "stop"
                 self.new = tokens_for(self.decode, self.new, cut)
+                del self.logprobs[len(self.new) :]
             elif self.finish is None:  # the budget is reached
                 self.finish = "length"
         if self.done:
             self.stats.new_tokens, self.stats.wall_s = len(self.new), time.perf_counter() - self.start
-            result = GenerationResult(text, list(self.new), len(self.ids), self.finish, self.stats)
-            return StreamEvent(text[len(self.emitted) :], [], result)
+            lps = list(self.logprobs) if self.top_logprobs is not None else None
+            result = GenerationResult(text, list(self.new), len(self.ids), self.finish, self.stats, lps)
+            return StreamEvent(text[len(self.emitted) :], [], result, self.logprobs[self.logprobs_sent :])
         safe = text[: len(text) - stop_overlap(text, self.stop)]  # may be the start of a stop string
         if safe.startswith(self.emitted) and len(safe) > len(self.emitted) and not safe.endswith("\ufffd"):
             event = StreamEvent(safe[len(self.emitted) :], taken)
             self.emitted = safe
+            if safe == text:  # every token's text is out: their entries can go too (a stop string may yet cut)
+                event.logprobs, self.logprobs_sent = self.logprobs[self.logprobs_sent :], len(self.logprobs)
             return event
         return None
 

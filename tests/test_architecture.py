@@ -18,6 +18,7 @@ LAYERS = {
     "runtime": ["cache", "prefix", "tree", "skip", "model", "lean", "fastpath", "quantized"],
     "decoding": [
         "sampling",
+        "logprobs",
         "drafting",
         "verification",
         "search",

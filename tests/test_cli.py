@@ -25,6 +25,14 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
         assert set(rec["skip"]) == {"attn", "mlp", "sparsity"}
         assert rec["skip"]["sparsity"] in range(len(SPARSITY_LEVELS))
     assert lines[0]["cached_prompt_tokens"] == 0 and all(r["cached_prompt_tokens"] > 0 for r in lines[1:])  # template
+    assert all("logprobs" not in r for r in lines)  # only when asked for
+
+
+def test_generate_json_logprobs(capsys):
+    assert main(["generate", "--prompt", "2 + 2 =", "--max-new-tokens", "5", "--json", "--logprobs", "2"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert [e["token"] for e in rec["logprobs"]] == rec["token_ids"]
+    assert all(len(e["top"]) == 2 and e["top"][0] == [e["token"], e["logprob"]] for e in rec["logprobs"])  # greedy
 
 
 @pytest.mark.parametrize(
@@ -35,6 +43,8 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
         (["--prompt", "hi", "--temperature", "nan"], "--temperature"),
         (["--prompt", "hi", "--temperature", "inf"], "--temperature"),
         (["--prompt", "hi", "--top-p", "2"], "--top-p"),
+        (["--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs"),
+        (["--prompt", "hi", "--logprobs", "2"], "--logprobs needs --json"),
         (["--prompt", "hi", "--stop", ""], "--stop"),
         (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--prompt", "hi", "--cache-dir", "/proc/no-such-dir"], "cannot create the cache directory"),

@@ -356,7 +356,7 @@ def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
         before = len(steps)
         res = gen.generate(prompt, max_new_tokens=128, chat=True)
         split, late = res.stats.time_split, sum(d - STEP_S for d in steps[before:])  # beyond the known cost
-        assert split["optimize"] <= 1.05 * gen.search.cfg.max_overhead * (split["draft"] + split["verify"]) + late
+        assert split["optimize"] <= 1.05 * gen.tuner.search.cfg.max_overhead * (split["draft"] + split["verify"]) + late
     assert steps  # the search did run
 
 

@@ -103,6 +103,36 @@ def test_chat_matches_engine(gen, client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
+def test_logprobs_are_the_engines_in_every_response_shape(gen, client):
+    """Chat and completions, whole and streamed: each token's log-probability and alternatives, as the engine
+    reports them (the verification rows of speculative rounds: plain decoding's numbers)."""
+    question = "Count from 1 to 10."
+    ref = gen.generate(question, chat=True, max_new_tokens=16, temperature=0.0, logprobs=2)
+    messages = [{"role": "user", "content": question}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]  # fmt: skip
+    for content in (whole, streamed):
+        assert [t.logprob for t in content] == [e.logprob for e in ref.logprobs]
+        assert "".join(t.token for t in content) == ref.text
+        for t, e in zip(content, ref.logprobs, strict=True):
+            assert [a.logprob for a in t.top_logprobs] == [lp for _, lp in e.top]
+        assert all(bytes(t.bytes).decode() == t.token for t in content)
+    prompt = "1, 2, 3, 4,"
+    ref = gen.generate(prompt, max_new_tokens=12, temperature=0.0, stop=[" 9"], logprobs=1)
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[" 9"],
+                                      logprobs=1, stream=stream)  # fmt: skip
+        parts = [c.choices[0].logprobs for c in (r if stream else [r]) if c.choices[0].logprobs]
+        assert [lp for p in parts for lp in p.token_logprobs] == [e.logprob for e in ref.logprobs]
+        assert "".join(t for p in parts for t in p.tokens) == ref.text
+        offsets = [o for p in parts for o in p.text_offset]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+        assert all(len(t) == 1 for p in parts for t in p.top_logprobs)
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].logprobs is None
+
+
 def test_stop_and_seed(gen, client):
     prompt = "1, 2, 3, 4, 5,"
     full = gen.generate(prompt, max_new_tokens=16, temperature=0.0).text
@@ -155,7 +185,18 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": [42] * 9000, "max_tokens": 4}, None),
         ("/v1/chat/completions", {"model": MODEL}, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),

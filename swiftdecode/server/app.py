@@ -194,14 +194,20 @@ class Api:
         try:
             first = await anext(events)  # surfaces queue/parameter errors as a proper HTTP status
             if stream:
-                sse = sse_chunks(protocol.chunk_head(head, chat), chat, include_usage, params["stop"], first, events)
+                text_of = self.token_text if params["logprobs"] is not None else None
+                head = protocol.chunk_head(head, chat)
+                sse = sse_chunks(head, chat, include_usage, params["stop"], first, events, text_of)
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             res = first.result
             async for ev in events:
                 res = ev.result
         except Disconnected:
             return PlainTextResponse("", status_code=CLIENT_GONE)
-        return protocol.completion(head, chat, res)
+        return protocol.completion(head, chat, res, self.token_text)
+
+    def token_text(self, token: int) -> str:
+        """A token's text, as a response's logprobs show it."""
+        return self.gen.prompts.decode([token])
 
     async def run_job(self, request: Request, job: Job) -> AsyncIterator[Any]:
         """Queue the job and yield its engine events; cancels the job if the client leaves or we stop early."""
@@ -226,24 +232,33 @@ async def next_event(job: Job, request: Request) -> object:
 
 
 async def sse_chunks(
-    head: dict, chat: bool, include_usage: bool, stop: list[str] | None, first: Any, events: AsyncIterator
-) -> AsyncIterator[str]:
-    """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head."""
+    head: dict, chat: bool, include_usage: bool, stop: list[str] | None, first: Any, events: AsyncIterator,
+    text_of: Callable[[int], str] | None = None,
+) -> AsyncIterator[str]:  # fmt: skip
+    """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head. With
+    `text_of` (a token's text) each chunk carries the logprobs of the tokens the engine released up to it."""
     if chat:
         yield protocol.chunk(head, chat, "", None, role=True)
-    ev, text, sent = first, "", 0  # text streamed by the engine; sent: how much of it went out
+    ev, text, sent, pending = first, "", 0, []  # text streamed by the engine; sent: how much of it went out
+
+    def logprobs() -> dict | None:
+        entries, pending[:] = list(pending), []
+        return protocol.logprobs_json(entries, chat, text_of, sent) if text_of and entries else None
+
     try:
         while ev.result is None:
             text += ev.text
+            pending += ev.logprobs
             safe = len(text) - protocol.held_back(text, stop)  # never send what may turn out to be a stop string
             if safe > sent:
-                yield protocol.chunk(head, chat, text[sent:safe], None)
+                yield protocol.chunk(head, chat, text[sent:safe], None, logprobs=logprobs())
                 sent = safe
             ev = await anext(events)
         res = ev.result
+        pending += ev.logprobs
         if len(res.text) > sent:
-            yield protocol.chunk(head, chat, res.text[sent:], None)
-        yield protocol.chunk(head, chat, None, res.finish_reason)
+            yield protocol.chunk(head, chat, res.text[sent:], None, logprobs=logprobs())
+        yield protocol.chunk(head, chat, None, res.finish_reason, logprobs=logprobs())
         if include_usage:
             yield protocol.sse({**head, "choices": [], "usage": protocol.usage(res)})
     except ApiError as e:

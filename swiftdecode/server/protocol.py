@@ -12,18 +12,18 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from swiftdecode.params import ParamError, check_params
+from swiftdecode.params import MAX_TOP_LOGPROBS, ParamError, check_params
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 MAX_STOP = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` at most, as OpenAI
 MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any temperature >= 0
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
 UNSUPPORTED = tuple(
-    "logprobs top_logprobs echo suffix logit_bias presence_penalty frequency_penalty tools functions best_of "
-    "response_format".split()
+    "echo suffix logit_bias presence_penalty frequency_penalty tools functions best_of response_format".split()
 )
 NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
@@ -116,7 +116,22 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
-    return {"max_new_tokens": max_tokens, **sampling}
+    return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat)}
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token to report with each token's log-probability, or None (off): chat's `logprobs`
+    (true/false) and `top_logprobs`, the completions API's `logprobs` (how many alternatives)."""
+    if not chat:
+        n = take(body, "logprobs", "int")
+        limit = f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}]"
+        check(n is None or 0 <= n <= MAX_COMPLETION_LOGPROBS, limit, "logprobs")
+        return n
+    on, top = take(body, "logprobs", "bool", False), take(body, "top_logprobs", "int")
+    check(top is None or on, "'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    limit = f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]"
+    check(top is None or 0 <= top <= MAX_TOP_LOGPROBS, limit, "top_logprobs")
+    return (top or 0) if on else None
 
 
 def parse_prompt(body: dict) -> str | list[int]:
@@ -179,10 +194,29 @@ def usage(res: Any) -> dict:
     }
 
 
-def completion(head: dict, chat: bool, res: Any) -> dict:
+def logprobs_json(entries: list, chat: bool, text_of: Callable[[int], str], offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice or chunk from `logprobs.TokenLogprob` entries; text_of: a token's text.
+    The completions API's text_offset counts each token's text from `offset` (the characters before them)."""
+    if chat:
+
+        def item(token: int, logprob: float) -> dict:
+            text = text_of(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+    tokens = [text_of(e.token) for e in entries]
+    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    top = [{text_of(t): lp for t, lp in e.top} for e in entries]
+    logprobs = [e.logprob for e in entries]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
+
+
+def completion(head: dict, chat: bool, res: Any, text_of: Callable[[int], str]) -> dict:
     """The whole (non-streamed) response to a request; `swiftdecode` holds the engine's statistics."""
     text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
-    choice = {"index": 0, **text, "logprobs": None, "finish_reason": res.finish_reason}
+    logprobs = logprobs_json(res.logprobs, chat, text_of) if res.logprobs is not None else None
+    choice = {"index": 0, **text, "logprobs": logprobs, "finish_reason": res.finish_reason}
     return {**head, "choices": [choice], "usage": usage(res), "swiftdecode": res.stats.to_dict()}
 
 
@@ -191,13 +225,16 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def chunk(head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False) -> str:
-    """A streamed chunk (`head` from chunk_head): a piece of text, or the finish reason (text None)."""
+def chunk(
+    head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None
+) -> str:
+    """A streamed chunk (`head` from chunk_head): a piece of text, or the finish reason (text None), with the
+    `logprobs` of the tokens it completes (from logprobs_json) if any."""
     if chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return sse({**head, "choices": [choice]})
 
 
