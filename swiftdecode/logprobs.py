@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # OpenAI's floor for a log-probability too small to represent (JSON has no -Infinity)
 FLOOR = -9999.0
+# The k likeliest tokens are looked for among the logits within a margin of the largest, widened until at least k
+# are there (SmolLM2's rows over 128 generated tokens: a median of 3 tokens within 4 of the largest, 16 within 8,
+# at most 661 within 8); the whole row only where fewer than k are within 16. On those rows an entry took ~65 µs
+# without alternatives and ~135 µs with 5 (torch.topk alone: ~125 µs); the result is the k largest either way.
+TOP_MARGINS = (4.0, 8.0, 16.0)
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,19 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenL
     likeliest tokens. Row by row, so an entry never depends on the rows beside it."""
     out = []
     for row, token in zip(rows, tokens, strict=False):
-        lp = torch.log_softmax(row.float(), dim=-1)
-        top = torch.topk(lp, k) if k else None
-        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True) if top is not None else ()
-        out.append(TokenLogprob(token, max(float(lp[token]), FLOOR), tuple((t, max(v, FLOOR)) for t, v in pairs)))
+        x = row.float()
+        lse = np.float32(torch.logsumexp(x, dim=-1))  # log p = x - logsumexp(x), in float32: no [V] log-softmax
+        x = x.numpy()
+        top = ()
+        if k:
+            best = x.max()
+            for margin in TOP_MARGINS:
+                if len(near := np.flatnonzero(x >= best - margin)) >= k:
+                    break
+            else:
+                near = np.arange(len(x))
+            near = near[x[near] >= np.partition(x[near], len(near) - k)[len(near) - k]]  # the k largest, and ties
+            ids = near[np.lexsort((near, -x[near]))[:k]]  # likeliest first, lower ids first on ties
+            top = tuple((int(t), max(float(x[t] - lse), FLOOR)) for t in ids)
+        out.append(TokenLogprob(token, max(float(x[token] - lse), FLOOR), top))
     return out

@@ -8,6 +8,7 @@ import torch
 
 from swiftdecode import Generator, UserError
 from swiftdecode.batch import Batch
+from swiftdecode.logprobs import token_logprobs
 
 PROMPT = "Write the numbers from one to twenty, separated by commas."
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=3)
@@ -36,8 +37,9 @@ def test_logprobs_are_the_log_softmax_of_a_teacher_forced_forward(smollm):
     gen.sm.reset()
     hidden = gen.sm.prefill(ids + res.token_ids)
     rows = gen.sm.logits(hidden[len(ids) - 1 : len(ids) - 1 + len(res.token_ids)])
-    expected = torch.log_softmax(rows.float(), dim=-1)[torch.arange(len(res.token_ids)), res.token_ids]
-    assert [e.logprob for e in res.logprobs] == expected.tolist()
+    assert res.logprobs == token_logprobs(rows, res.token_ids, 0)  # the same rows, to the last bit
+    exact = torch.log_softmax(rows.double(), dim=-1)[torch.arange(len(res.token_ids)), res.token_ids]
+    assert torch.allclose(torch.tensor([e.logprob for e in res.logprobs], dtype=torch.float64), exact, atol=1e-5)
     assert all(e.top == () for e in res.logprobs)
 
 
