@@ -13,7 +13,9 @@ from swiftdecode.errors import UserError
 from swiftdecode.params import check_params
 
 # engine keyword -> the flag a user typed, for error messages
-FLAGS = {k: "--" + k.replace("_", "-") for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs")}
+PENALTIES = ("presence_penalty", "frequency_penalty")
+SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", *PENALTIES)
+FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +30,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    for name in PENALTIES:  # OpenAI's: subtracted from the logits of tokens already generated
+        p.add_argument(FLAGS[name], type=float, default=0.0, help=f"OpenAI's {name} in [-2, 2] (default 0)")
     p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
 
 
@@ -46,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    kw |= {k: getattr(args, k) for k in PENALTIES}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
     check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
     return dict(kw, seed=args.seed, stop=args.stop) | ({"logprobs": logprobs} if logprobs is not None else {})

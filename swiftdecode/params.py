@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from swiftdecode.errors import UserError
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit for chat completions)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,16 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # ... times how often it was generated
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class ParamError(UserError):
@@ -49,6 +56,8 @@ def check_params(
     stop: list[str] | None = None,
     names: Mapping[str, str] | None = None,
     logprobs: int | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> SamplingParams:
     """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
     -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself)."""
@@ -63,6 +72,7 @@ def check_params(
         ("top_k", top_k, _is_int(top_k), "an integer"),
         ("top_k", top_k, _is_int(top_k) and top_k >= 0, ">= 0 (0 disables it)"),
         ("stop", stop, stop_ok, "a list of non-empty strings"),
+        *penalty_rules(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
         (
             "logprobs",
             logprobs,
@@ -73,4 +83,10 @@ def check_params(
     for field, value, holds, what in rules:
         if not holds:
             raise ParamError(field, f"{(names or {}).get(field, field)} must be {what}, got {value!r}")
-    return SamplingParams(float(temperature), float(top_p), top_k)
+    return SamplingParams(float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty))
+
+
+def penalty_rules(**penalties: float) -> list[tuple]:
+    """check_params' rules for the penalties: numbers in [-MAX_PENALTY, MAX_PENALTY]."""
+    what = f"a number in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    return [(f, v, _is_number(v) and -MAX_PENALTY <= v <= MAX_PENALTY, what) for f, v in penalties.items()]

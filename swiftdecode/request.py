@@ -145,6 +145,7 @@ class Request:
             taken.append(tok)
             if len(self.new) >= self.budget:
                 break
+        self.sampler.count(taken)
         if self.top_logprobs is not None and taken:
             self.logprobs += token_logprobs(rows, taken, self.top_logprobs)
         text = self.so_far.update(self.new)

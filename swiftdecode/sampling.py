@@ -128,20 +128,45 @@ def exp_noise(key: int, ids: np.ndarray) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses the token at absolute position t from that position's logits [V]."""
+    """Chooses the token at absolute position t from that position's logits [V], after the presence and frequency
+    penalties of the tokens generated before it (`counts`, and a verified path's tokens not yet counted)."""
 
     def __init__(self, params: SamplingParams, seed: int):
         self.params = params
         self.seed = seed
         self.noise: dict[int, torch.Tensor] = {}  # whole-vocabulary noise of recent positions
+        self.counts: dict[int, int] = {}  # how often each token was generated so far (with penalties only)
 
-    def pick(self, logits: torch.Tensor, position: int) -> int:
+    def count(self, tokens: list[int]) -> None:
+        """Tokens the generation took: later picks penalize them."""
+        if self.params.penalized:
+            for t in tokens:
+                self.counts[t] = self.counts.get(t, 0) + 1
+
+    def pick(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> int:
+        """The token at `position`; `after`: tokens generated since the last `count` (a tree path being verified)."""
+        if self.params.penalized:
+            logits = self.penalized(logits, after)
         if self.params.greedy:
             return argmax(logits)
         if self.params.top_p == 1.0 and self.params.top_k == 0:  # every token may win
             return argmax(probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1]))
         ids, p = kept(logits, self.params)  # ascending: ties go to the lowest id, as a whole-vector argmax
         return int(ids[argmax(p / self.noise_of(position, ids))])
+
+    def penalized(self, logits: torch.Tensor, after: list[int] | tuple = ()) -> torch.Tensor:
+        """OpenAI's penalties: logit[v] − (frequency_penalty · c[v] + presence_penalty) for each token v generated
+        c[v] > 0 times (counts, then `after`), in float32; a new tensor."""
+        counts = dict(self.counts)
+        for t in after:
+            counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            return logits
+        ids = torch.tensor(list(counts))
+        c = torch.tensor(list(counts.values()), dtype=torch.float32)
+        out = logits.clone()
+        out[ids] -= c * self.params.frequency_penalty + self.params.presence_penalty
+        return out
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:
         """E of tokens `ids` at `position` [len(ids)]: the entries noise_at would give them."""

@@ -24,7 +24,7 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, root_position: in
     path: list[int] = []
     node = -1
     while True:
-        target = sampler.pick(logits[node + 1], root_position + len(path) + 1)
+        target = sampler.pick(logits[node + 1], root_position + len(path) + 1, [tree.tokens[i] for i in path])
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
         if nxt is None:
             return path, target

@@ -133,6 +133,14 @@ def test_logprobs_are_the_engines_in_every_response_shape(gen, client):
     assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].logprobs is None
 
 
+def test_penalties_are_the_engines(gen, client):
+    prompt, kw = "1, 2, 3, 4,", dict(presence_penalty=0.5, frequency_penalty=1.0)
+    ref = gen.generate(prompt, max_new_tokens=16, temperature=0.0, **kw)
+    assert ref.text != gen.generate(prompt, max_new_tokens=16, temperature=0.0).text  # they change the answer
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, **kw)
+    assert r.choices[0].text == ref.text
+
+
 def test_stop_and_seed(gen, client):
     prompt = "1, 2, 3, 4, 5,"
     full = gen.generate(prompt, max_new_tokens=16, temperature=0.0).text
@@ -179,6 +187,8 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": True}, "temperature"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 10**400}, "temperature"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}, "frequency_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),

@@ -22,15 +22,16 @@ MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any tem
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
-UNSUPPORTED = tuple(
-    "echo suffix logit_bias presence_penalty frequency_penalty tools functions best_of response_format".split()
-)
+UNSUPPORTED = tuple("echo suffix logit_bias tools functions best_of response_format".split())
 NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> OpenAI field, where they differ
+PENALTIES = ("presence_penalty", "frequency_penalty")  # OpenAI's, in [-2, 2]
 # check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
-QUOTED = {f: f"'{API_NAMES.get(f, f)}'" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
+QUOTED = {
+    f: f"'{API_NAMES.get(f, f)}'" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", *PENALTIES)
+}
 
 
 class ApiError(Exception):
@@ -111,11 +112,13 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     stop = [stop] if isinstance(stop, str) else stop
     check(stop is None or isinstance(stop, list), "'stop' must be a string or a list of strings", "stop")
     check(stop is None or len(stop) <= MAX_STOP, f"'stop' takes at most {MAX_STOP} sequences", "stop")
+    penalties = {k: take(body, k, "number", 0.0) for k in PENALTIES}
     try:
-        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED)
+        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED, **penalties)
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
+    sampling |= {k: v for k, v in penalties.items() if v}
     return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat)}
 
 

@@ -1,0 +1,69 @@
+"""OpenAI's presence and frequency penalties: applied at every position to the tokens generated before it, the
+verified path's included, so speculative methods and batches stay token- and seed-identical to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftdecode import Generator, UserError
+from swiftdecode.batch import Batch
+from swiftdecode.sampling import Sampler, argmax
+
+PROMPT = "Write the numbers from one to twenty, separated by commas."
+PENALTIES = dict(frequency_penalty=1.0, presence_penalty=0.5)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.95, seed=5)], ids=["greedy", "sampled"])
+def test_penalized_methods_equal_plain_decoding(smollm, sampling):
+    kw = dict(chat=True, max_new_tokens=48, **PENALTIES, **sampling)
+    ar = Generator(*smollm, method="ar").generate(PROMPT, **kw)
+    plain = Generator(*smollm, method="ar").generate(PROMPT, **{**kw, **dict.fromkeys(PENALTIES, 0.0)})
+    assert ar.token_ids != plain.token_ids  # the penalties change the answer
+    for method in ("swift", "ngram"):
+        res = Generator(*smollm, method=method).generate(PROMPT, **kw)
+        assert res.token_ids == ar.token_ids, method
+        assert res.stats.tree_rounds > 0, method  # verified trees, penalized along their paths
+
+
+def test_greedy_penalized_tokens_are_the_definition(smollm):
+    """Teacher-forced: token i is the argmax of logits_i − (1.0·count + 0.5) over the tokens before it."""
+    gen = Generator(*smollm, method="swift")
+    res = gen.generate(PROMPT, chat=True, max_new_tokens=40, **PENALTIES)
+    ids = gen.chat_ids([{"role": "user", "content": PROMPT}])
+    gen.sm.reset()
+    rows = gen.sm.logits(gen.sm.prefill(ids + res.token_ids)[len(ids) - 1 :])
+    for i, token in enumerate(res.token_ids):
+        row = rows[i].clone()
+        for t in set(res.token_ids[:i]):
+            row[t] -= torch.tensor(res.token_ids[:i].count(t), dtype=torch.float32) * 1.0 + 0.5
+        assert argmax(row) == token, i
+
+
+def test_penalized_batch_equals_solo(smollm):
+    gen = Generator(*smollm, method="swift")
+    mix = [(PROMPT, PENALTIES), ("Name three planets.", dict(temperature=0.7, seed=2, presence_penalty=1.0)),
+           ("List ten fruits.", {})]  # fmt: skip
+    solo = [gen.generate(p, chat=True, max_new_tokens=32, **kw).token_ids for p, kw in mix]
+    batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=32, **kw) for p, kw in mix]
+    for req in reqs:
+        batch.add(req)
+        batch.step()
+    while len(batch):
+        batch.step()
+    assert sum(r.stats.batched_rounds for r in reqs) > 0 and [r.new for r in reqs] == solo
+
+
+def test_no_penalty_leaves_the_logits_alone():
+    from swiftdecode.params import SamplingParams
+
+    sampler = Sampler(SamplingParams(), seed=0)
+    sampler.count([1, 2, 2])
+    logits = torch.randn(10)
+    assert sampler.counts == {} and sampler.pick(logits, 5, [3]) == argmax(logits)
+
+
+@pytest.mark.parametrize("bad", [2.5, -3, float("nan"), "1", True])
+def test_bad_penalty_is_a_user_error(smollm, bad):
+    with pytest.raises(UserError, match="frequency_penalty"):
+        Generator(*smollm, method="ar").request("hi", frequency_penalty=bad)
