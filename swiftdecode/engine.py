@@ -135,8 +135,8 @@ class Generator:
     # ---- one round --------------------------------------------------------------------------------------
     def _round(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
         """One round from the last token of req.ctx (not yet cached): a copy from the context where its tokens pay
-        for their rows (as measured), else a plain step or a skip-model draft. The new tokens and (for logprobs)
-        the logits rows that chose them."""
+        for their rows (as measured), else a plain step or a skip-model draft. The new tokens and the logits
+        rows that chose them (read for logprobs only; tree rounds give None without)."""
         ctx, room, sampler, stats = req.ctx, req.room, req.sampler, req.stats
         can_draft, t0, mode, branch = self.skip is not None, time.perf_counter(), "plain", []
         if self.cfg is not None and room > 1:
@@ -154,7 +154,7 @@ class Generator:
             self.schedule.record(mode, len(out), seconds, can_draft)
             if self.tuner is not None:
                 self.tuner.after_round(ctx, out, mode, stats, self.schedule)
-        return out, rows if req.top_logprobs is not None else None
+        return out, rows
 
     def _tree_round(self, req: Request, mode: str, branch: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Propose a tree (the skip model's draft if mode == "draft", the n-gram `branch` always), verify it in

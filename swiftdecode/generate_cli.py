@@ -10,10 +10,9 @@ from dataclasses import asdict
 from swiftdecode import METHODS
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.errors import UserError
-from swiftdecode.params import check_params
+from swiftdecode.params import PENALTIES, check_params
 
 # engine keyword -> the flag a user typed, for error messages
-PENALTIES = ("presence_penalty", "frequency_penalty")
 SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", *PENALTIES)
 FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 

@@ -17,8 +17,9 @@ import torch
 FLOOR = -9999.0
 # The k likeliest tokens are looked for among the logits within a margin of the largest, widened until at least k
 # are there (SmolLM2's rows over 128 generated tokens: a median of 3 tokens within 4 of the largest, 16 within 8,
-# at most 661 within 8); the whole row only where fewer than k are within 16. On those rows an entry took ~65 µs
-# without alternatives and ~135 µs with 5 (torch.topk alone: ~125 µs); the result is the k largest either way.
+# at most 661 within 8); the whole row only where fewer than k are within 16. On those rows (a development script,
+# Intel Xeon) an entry took ~65 µs without alternatives and ~135 µs with 5 (torch.topk alone: ~125 µs); the result
+# is the k largest either way.
 TOP_MARGINS = (4.0, 8.0, 16.0)
 
 

@@ -13,6 +13,7 @@ from swiftdecode.errors import UserError
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit for chat completions)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+PENALTIES = ("presence_penalty", "frequency_penalty")  # their keyword (and OpenAI field) names
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,13 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, root_position: in
     """Accepted node indices (a root-to-node path) and the bonus token, from logits [len(tree)+1, V] whose
     row 0 is the root (at `root_position`) and row i+1 is node i."""
     path: list[int] = []
+    taken: list[int] = []  # the path's tokens: the picks after them penalize them (Sampler.pick's `after`)
     node = -1
     while True:
-        target = sampler.pick(logits[node + 1], root_position + len(path) + 1, [tree.tokens[i] for i in path])
+        target = sampler.pick(logits[node + 1], root_position + len(path) + 1, taken)
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
         if nxt is None:
             return path, target
         path.append(nxt)
+        taken.append(target)
         node = nxt

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from swiftdecode.params import MAX_TOP_LOGPROBS, ParamError, check_params
+from swiftdecode.params import MAX_TOP_LOGPROBS, PENALTIES, ParamError, check_params
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 MAX_STOP = 4  # as OpenAI
@@ -27,7 +27,6 @@ NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> OpenAI field, where they differ
-PENALTIES = ("presence_penalty", "frequency_penalty")  # OpenAI's, in [-2, 2]
 # check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
 QUOTED = {
     f: f"'{API_NAMES.get(f, f)}'" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", *PENALTIES)
