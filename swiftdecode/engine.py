@@ -78,16 +78,15 @@ class Generator:
             yield from filter(None, [self.step(req)])
 
     def request(
-        self, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-        top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
-        logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+        self, prompt: str | list[int], *, max_new_tokens: int = 128, seed: int | None = None, chat: bool = False,
+        logprobs: int | None = None, stop: list[str] | None = None, **sampling,
     ) -> Request:  # fmt: skip
-        """A validated request, not started (UserError on bad input). `logprobs` (0-20; None: off): each token's
-        log-probability and that many alternatives (`logprobs.TokenLogprob`); penalties as OpenAI's."""
-        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-        params = check_params(max_new_tokens, temperature, top_p, top_k, stop, logprobs=logprobs, **penalties)
+        """A validated request, not started (UserError on bad input). `sampling`: the keywords of
+        `params.check_params` (temperature, top_p, top_k, the penalties, min_p, logit_bias). `logprobs` (0-20; None:
+        off): each token's log-probability and that many alternatives (`logprobs.TokenLogprob`)."""
+        params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
         ids = self.prompts.encode(prompt, chat)  # shorter than the model's context
-        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63))
+        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids)
         budget = min(max_new_tokens, self.sm.max_length - len(ids))
         return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers, logprobs)
 

@@ -10,10 +10,10 @@ from dataclasses import asdict
 from swiftdecode import METHODS
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.errors import UserError
-from swiftdecode.params import PENALTIES, check_params
+from swiftdecode.params import CONTROLS, check_params
 
 # engine keyword -> the flag a user typed, for error messages
-SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", *PENALTIES)
+SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "logit_bias", *CONTROLS)
 FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 
 
@@ -29,8 +29,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    for name in PENALTIES:  # OpenAI's: subtracted from the logits of tokens already generated
-        p.add_argument(FLAGS[name], type=float, default=0.0, help=f"OpenAI's {name} in [-2, 2] (default 0)")
+    for name, (off, what) in CONTROLS.items():
+        p.add_argument(FLAGS[name], type=float, default=off, help=f"{what} (default {off:g})")
+    p.add_argument(
+        "--logit-bias", action="append", default=None, metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit at every step (repeatable); -100 all but bans it",
+    )  # fmt: skip
     p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
 
 
@@ -49,10 +53,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    kw |= {k: getattr(args, k) for k in PENALTIES}
+    kw |= {k: getattr(args, k) for k in CONTROLS} | {"logit_bias": _logit_bias(args.logit_bias)}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
     check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
     return dict(kw, seed=args.seed, stop=args.stop) | ({"logprobs": logprobs} if logprobs is not None else {})
+
+
+def _logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS options -> {ID: BIAS} (a later one for the same ID wins); values are checked later."""
+    bias = {}
+    for item in items or []:
+        tok, _, value = item.partition("=")
+        try:
+            bias[int(tok)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS (an integer token id, a number), got {item!r}") from None
+    return bias or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,19 @@ from swiftdecode.errors import UserError
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit for chat completions)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
-PENALTIES = ("presence_penalty", "frequency_penalty")  # their keyword (and OpenAI field) names
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
+# The logit adjustments beyond temperature, top-p and top-k: keyword (= OpenAI/vLLM field, CLI flag) -> (value that
+# turns it off, what it does). The CLIs and the server take them from here.
+CONTROLS = {
+    "presence_penalty": (0.0, "OpenAI's, in [-2, 2]: subtracted from the logit of every token generated so far"),
+    "frequency_penalty": (0.0, "OpenAI's, in [-2, 2]: subtracted once per time a token was generated so far"),
+    "repetition_penalty": (
+        1.0,
+        "transformers'/vLLM's, > 0: the logit of every token of the prompt or generated so far divided by it "
+        "(multiplied where negative); 1 is off",
+    ),
+    "min_p": (0.0, "in [0, 1]: sampling drops tokens less likely than min_p times the likeliest (after top-p)"),
+}
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,9 @@ class SamplingParams:
     top_k: int = 0
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
     frequency_penalty: float = 0.0  # ... times how often it was generated
+    repetition_penalty: float = 1.0  # divides the (positive) logits of the prompt's and generated tokens
+    min_p: float = 0.0  # sampling keeps tokens at least min_p times as likely as the likeliest
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
 
     @property
     def greedy(self) -> bool:
@@ -30,7 +45,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether a pick depends on the tokens before it (the penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling draws from fewer tokens than the whole vocabulary."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 class ParamError(UserError):
@@ -59,9 +80,16 @@ def check_params(
     logprobs: int | None = None,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    vocab: int | None = None,
 ) -> SamplingParams:
     """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
-    -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself)."""
+    -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself). `vocab`: the model's vocabulary
+    size, which logit_bias's token ids must be below (None: not known yet)."""
+    bias_range = f"numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    ids = "integers >= 0" if vocab is None else f"integers in [0, {vocab})"
     stop_ok = stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
     rules = (  # (field, value, holds, what it must be); NaN fails every comparison, so it is rejected
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens), "an integer"),
@@ -74,6 +102,9 @@ def check_params(
         ("top_k", top_k, _is_int(top_k) and top_k >= 0, ">= 0 (0 disables it)"),
         ("stop", stop, stop_ok, "a list of non-empty strings"),
         *penalty_rules(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
+        ("repetition_penalty", repetition_penalty, _is_positive(repetition_penalty), "a finite number > 0 (1: off)"),
+        ("min_p", min_p, _is_number(min_p) and 0 <= min_p <= 1, "a number in [0, 1]"),
+        ("logit_bias", logit_bias, _bias_ok(logit_bias, vocab), f"a mapping of token ids ({ids}) to {bias_range}"),
         (
             "logprobs",
             logprobs,
@@ -84,7 +115,25 @@ def check_params(
     for field, value, holds, what in rules:
         if not holds:
             raise ParamError(field, f"{(names or {}).get(field, field)} must be {what}, got {value!r}")
-    return SamplingParams(float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty))
+    bias = tuple(sorted((t, float(b)) for t, b in (logit_bias or {}).items()))
+    return SamplingParams(
+        float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty),
+        float(repetition_penalty), float(min_p), bias,
+    )  # fmt: skip
+
+
+def _is_positive(v: object) -> bool:
+    return _is_number(v) and 0 < v < math.inf
+
+
+def _bias_ok(bias: object, vocab: int | None) -> bool:
+    """None, or {token id in [0, vocab): bias within MAX_LOGIT_BIAS}."""
+    if bias is None:
+        return True
+    return isinstance(bias, Mapping) and all(
+        _is_int(t) and 0 <= t < (vocab or math.inf) and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS
+        for t, b in bias.items()
+    )
 
 
 def penalty_rules(**penalties: float) -> list[tuple]:

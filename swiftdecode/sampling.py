@@ -18,12 +18,11 @@ from swiftdecode.params import SamplingParams
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [V] of logits [V] after temperature, then top-k, then top-p (the smallest set with mass ≥
-    top_p, renormalised)."""
+    top_p) and min-p (tokens at least min_p times as likely as the likeliest), renormalised."""
     probs = _softmax(logits, params)
-    if params.top_p == 1.0:
+    if params.top_p == 1.0 and params.min_p == 0.0:
         return probs
-    ids, top = _nucleus(probs, params.top_p)
-    only = _placed(probs, ids, top)
+    only = _placed(probs, *_support(probs, params))
     return only / only.sum()
 
 
@@ -32,13 +31,27 @@ def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
     the same bits without the division over the vocabulary: the set's values are summed where they lie, as
     `probabilities` sums them."""
     probs = _softmax(logits, params)
-    if params.top_p == 1.0:
+    if params.top_p == 1.0 and params.min_p == 0.0:
         ids = torch.nonzero(probs).flatten()
         return ids, probs[ids]
-    ids, top = _nucleus(probs, params.top_p)
+    ids, top = _support(probs, params)
     total = _placed(probs, ids, top).sum()
     nonzero = top > 0  # a kept probability may have underflowed to 0
     return ids[nonzero], top[nonzero] / total
+
+
+def _support(probs: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p set of probs [V] (all of it at top_p = 1) less the tokens below min_p times the largest
+    probability: ascending ids and their probabilities, not renormalised."""
+    if params.top_p < 1.0:
+        ids, top = _nucleus(probs, params.top_p)
+    else:
+        ids = torch.nonzero(probs).flatten()
+        top = probs[ids]
+    if params.min_p > 0.0:
+        keep = top >= params.min_p * probs.max()
+        ids, top = ids[keep], top[keep]
+    return ids, top
 
 
 def _placed(probs: torch.Tensor, ids: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -128,44 +141,61 @@ def exp_noise(key: int, ids: np.ndarray) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses the token at absolute position t from that position's logits [V], after the presence and frequency
-    penalties of the tokens generated before it (`counts`, and a verified path's tokens not yet counted)."""
+    """Chooses the token at absolute position t from that position's logits [V], after the logit bias and the
+    penalties of the tokens before it (`seen`, `counts`, and a verified path's tokens not yet counted).
+    `prompt`: the prompt's ids, which the repetition penalty counts as seen."""
 
-    def __init__(self, params: SamplingParams, seed: int):
+    def __init__(self, params: SamplingParams, seed: int, prompt: list[int] = ()):
         self.params = params
         self.seed = seed
         self.noise: dict[int, torch.Tensor] = {}  # whole-vocabulary noise of recent positions
         self.counts: dict[int, int] = {}  # how often each token was generated so far (with penalties only)
+        self.seen: set[int] = set(prompt) if params.repetition_penalty != 1.0 else set()  # prompt and generated
+        self.seen_ids = torch.tensor(sorted(self.seen), dtype=torch.long)  # `seen` as a tensor, kept in step
+        bias = params.logit_bias
+        self.bias = (torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias])) if bias else None
 
     def count(self, tokens: list[int]) -> None:
         """Tokens the generation took: later picks penalize them."""
         if self.params.penalized:
             for t in tokens:
                 self.counts[t] = self.counts.get(t, 0) + 1
+            if self.params.repetition_penalty != 1.0 and not self.seen.issuperset(tokens):
+                self.seen.update(tokens)
+                self.seen_ids = torch.tensor(sorted(self.seen), dtype=torch.long)
 
     def pick(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> int:
         """The token at `position`; `after`: tokens generated since the last `count` (a tree path being verified)."""
-        if self.params.penalized:
-            logits = self.penalized(logits, after)
+        if self.params.penalized or self.bias is not None:
+            logits = self.adjusted(logits, after)
         if self.params.greedy:
             return argmax(logits)
-        if self.params.top_p == 1.0 and self.params.top_k == 0:  # every token may win
+        if not self.params.truncated:  # every token may win
             return argmax(probabilities(logits, self.params) / self.noise_at(position, logits.shape[-1]))
         ids, p = kept(logits, self.params)  # ascending: ties go to the lowest id, as a whole-vector argmax
         return int(ids[argmax(p / self.noise_of(position, ids))])
 
-    def penalized(self, logits: torch.Tensor, after: list[int] | tuple = ()) -> torch.Tensor:
-        """OpenAI's penalties: logit[v] − (frequency_penalty · c[v] + presence_penalty) for each token v generated
-        c[v] > 0 times (counts, then `after`), in float32; a new tensor."""
-        counts = dict(self.counts)
-        for t in after:
-            counts[t] = counts.get(t, 0) + 1
-        if not counts:
-            return logits
-        ids = torch.tensor(list(counts))
-        c = torch.tensor(list(counts.values()), dtype=torch.float32)
-        out = logits.clone()
-        out[ids] -= c * self.params.frequency_penalty + self.params.presence_penalty
+    def adjusted(self, logits: torch.Tensor, after: list[int] | tuple = ()) -> torch.Tensor:
+        """The logits [V] a pick chooses from, a new float32 tensor, in this order: + logit_bias; the repetition
+        penalty r on every token seen (prompt, counts, `after`): x / r where x > 0, else x · r (transformers');
+        OpenAI's penalties: − (frequency_penalty · c[v] + presence_penalty) for each token v generated c[v] > 0
+        times (counts, then `after`)."""
+        p, out = self.params, logits.float().clone()
+        if self.bias is not None:
+            out[self.bias[0]] += self.bias[1]
+        if p.repetition_penalty != 1.0:
+            new = sorted(set(after) - self.seen)
+            ids = torch.cat([self.seen_ids, torch.tensor(new, dtype=torch.long)]) if new else self.seen_ids
+            x = out[ids]
+            out[ids] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            counts = dict(self.counts)
+            for t in after:
+                counts[t] = counts.get(t, 0) + 1
+            if counts:
+                ids = torch.tensor(list(counts))
+                c = torch.tensor(list(counts.values()), dtype=torch.float32)
+                out[ids] -= c * p.frequency_penalty + p.presence_penalty
         return out
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:

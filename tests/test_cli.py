@@ -35,6 +35,14 @@ def test_generate_json_logprobs(capsys):
     assert all(len(e["top"]) == 2 and e["top"][0] == [e["token"], e["logprob"]] for e in rec["logprobs"])  # greedy
 
 
+def test_generate_logit_bias_and_repetition_penalty(capsys):
+    argv = ["generate", "--prompt", "1, 2, 3,", "--max-new-tokens", "6", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)["token_ids"][0]
+    assert main([*argv, "--logit-bias", f"{first}=-100", "--repetition-penalty", "1.1", "--min-p", "0.05"]) == 0
+    assert first not in json.loads(capsys.readouterr().out)["token_ids"]
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [
@@ -46,6 +54,12 @@ def test_generate_json_logprobs(capsys):
         (["--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs"),
         (["--prompt", "hi", "--logprobs", "2"], "--logprobs needs --json"),
         (["--prompt", "hi", "--stop", ""], "--stop"),
+        (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty"),
+        (["--prompt", "hi", "--min-p", "1.5"], "--min-p"),
+        (["--prompt", "hi", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
+        (["--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
+        (["--prompt", "hi", "--logit-bias", "5=200"], "--logit-bias"),
+        (["--prompt", "hi", "--logit-bias", "99999999=1"], "integers in [0, 49152)"),
         (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--prompt", "hi", "--cache-dir", "/proc/no-such-dir"], "cannot create the cache directory"),
         (["--prompt", "hi " * 9000], "context"),

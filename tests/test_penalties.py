@@ -67,3 +67,52 @@ def test_no_penalty_leaves_the_logits_alone():
 def test_bad_penalty_is_a_user_error(smollm, bad):
     with pytest.raises(UserError, match="frequency_penalty"):
         Generator(*smollm, method="ar").request("hi", frequency_penalty=bad)
+
+
+# ---------------------------------------------------------------- repetition penalty (transformers', vLLM's)
+REPEAT = dict(repetition_penalty=1.1)  # stronger ones leave SmolLM2 no repeats for the n-gram branch to copy
+CODE = "Write a Python function that adds two numbers, then three tests for it."
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.95, seed=5)], ids=["greedy", "sampled"])
+def test_repetition_penalty_methods_equal_plain_decoding(smollm, sampling):
+    kw = dict(chat=True, max_new_tokens=48, **REPEAT, **sampling)
+    ar = Generator(*smollm, method="ar").generate(CODE, **kw)
+    assert ar.token_ids != Generator(*smollm, method="ar").generate(CODE, **{**kw, "repetition_penalty": 1.0}).token_ids
+    for method in ("swift", "ngram"):
+        res = Generator(*smollm, method=method).generate(CODE, **kw)
+        assert res.token_ids == ar.token_ids, method
+        assert res.stats.tree_rounds > 0, method
+
+
+def test_greedy_repetition_penalty_is_the_definition(smollm):
+    """Teacher-forced: token i is the argmax of the logits with those of the prompt's and earlier answer tokens
+    divided by 1.1 where positive, multiplied where not."""
+    gen = Generator(*smollm, method="swift")
+    res = gen.generate(CODE, chat=True, max_new_tokens=40, **REPEAT)
+    ids = gen.chat_ids([{"role": "user", "content": CODE}])
+    gen.sm.reset()
+    rows = gen.sm.logits(gen.sm.prefill(ids + res.token_ids)[len(ids) - 1 :])
+    for i, token in enumerate(res.token_ids):
+        row = rows[i].clone()
+        for t in set(ids + res.token_ids[:i]):
+            row[t] = row[t] / 1.1 if row[t] > 0 else row[t] * 1.1
+        assert argmax(row) == token, i
+
+
+def test_repetition_penalty_does_not_depend_on_earlier_requests(smollm):
+    """The same request answered by a generator that served other prompts first (prefix cache on, search state
+    moved on) as by a fresh one: the prompt's tokens count whether or not their cache entries were copied."""
+    kw = dict(chat=True, max_new_tokens=32, **REPEAT)
+    fresh = Generator(*smollm, method="swift").generate(CODE, **kw).token_ids
+    gen = Generator(*smollm, method="swift", prefix_cache_gb=0.1)
+    gen.generate(CODE + " Then explain it.", **kw)
+    gen.generate(CODE, chat=True, max_new_tokens=16)
+    res = gen.generate(CODE, **kw)
+    assert res.stats.cached_prompt_tokens > 0 and res.token_ids == fresh
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "2"])
+def test_bad_repetition_penalty_is_a_user_error(smollm, bad):
+    with pytest.raises(UserError, match="repetition_penalty"):
+        Generator(*smollm, method="ar").request("hi", repetition_penalty=bad)

@@ -141,6 +141,24 @@ def test_penalties_are_the_engines(gen, client):
     assert r.choices[0].text == ref.text
 
 
+def test_sampling_controls_are_the_engines(smollm, client):
+    """repetition_penalty, min_p and logit_bias as the engine applies them: the server's answers equal a fresh
+    generator's, after everything the shared server has served before."""
+    prompt = "def add(a, b):"
+    fresh = Generator(*smollm, method="swift")
+    cases = [dict(repetition_penalty=1.1), dict(temperature=0.9, seed=3, min_p=0.2)]
+    first = fresh.generate(prompt, max_new_tokens=16).token_ids[0]
+    cases.append(dict(logit_bias={first: -100.0}))
+    for kw in cases:
+        ref = fresh.generate(prompt, max_new_tokens=16, **{"temperature": 0.0, **kw}).text
+        wire = {**kw, "logit_bias": {str(t): b for t, b in kw["logit_bias"].items()}} if "logit_bias" in kw else kw
+        extra = {k: v for k, v in wire.items() if k in ("repetition_penalty", "min_p")}
+        std = {k: v for k, v in wire.items() if k not in extra}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **{"temperature": 0, **std},
+                                      extra_body=extra)  # fmt: skip
+        assert r.choices[0].text == ref, kw
+
+
 def test_stop_and_seed(gen, client):
     prompt = "1, 2, 3, 4, 5,"
     full = gen.generate(prompt, max_new_tokens=16, temperature=0.0).text
@@ -190,6 +208,12 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}, "frequency_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),

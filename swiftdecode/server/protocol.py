@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from swiftdecode.params import MAX_TOP_LOGPROBS, PENALTIES, ParamError, check_params
+from swiftdecode.params import CONTROLS, MAX_TOP_LOGPROBS, ParamError, check_params
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 MAX_STOP = 4  # as OpenAI
@@ -22,14 +22,15 @@ MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any tem
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
-UNSUPPORTED = tuple("echo suffix logit_bias tools functions best_of response_format".split())
+UNSUPPORTED = tuple("echo suffix tools functions best_of response_format".split())
 NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> OpenAI field, where they differ
 # check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
 QUOTED = {
-    f: f"'{API_NAMES.get(f, f)}'" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", *PENALTIES)
+    f: f"'{API_NAMES.get(f, f)}'"
+    for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logit_bias", *CONTROLS)
 }
 
 
@@ -111,14 +112,26 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     stop = [stop] if isinstance(stop, str) else stop
     check(stop is None or isinstance(stop, list), "'stop' must be a string or a list of strings", "stop")
     check(stop is None or len(stop) <= MAX_STOP, f"'stop' takes at most {MAX_STOP} sequences", "stop")
-    penalties = {k: take(body, k, "number", 0.0) for k in PENALTIES}
+    controls = {k: take(body, k, "number", off) for k, (off, _) in CONTROLS.items()}
+    bias = parse_logit_bias(body)
     try:
-        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED, **penalties)
+        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED, logit_bias=bias, **controls)
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
-    sampling |= {k: v for k, v in penalties.items() if v}
+    sampling |= {k: v for k, v in controls.items() if v != CONTROLS[k][0]} | ({"logit_bias": bias} if bias else {})
     return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat)}
+
+
+def parse_logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: {"token id": bias} (ids as strings, as JSON keys are) -> {id: bias}; the values'
+    range and the ids' bound are the engine's to check."""
+    bias = take(body, "logit_bias", "dict")
+    if not bias:
+        return None
+    ok = all(k.isdecimal() and KINDS["number"][0](v) for k, v in bias.items())
+    check(ok, "'logit_bias' must map token ids (strings of digits) to numbers", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:

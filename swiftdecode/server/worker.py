@@ -227,7 +227,7 @@ class Running:
         except ApiError as e:
             self.fail([job], e)
         except UserError as e:
-            self.fail([job], ApiError(e.status, str(e)))
+            self.fail([job], ApiError(e.status, str(e), getattr(e, "field", None)))
         except Exception as e:  # never let one request take the server down
             self.fail([job], internal_error(e))
         return True
