@@ -15,6 +15,7 @@ import torch
 from swiftdecode.config import METHODS, PAPER_SEARCH, EngineConfig, preset
 from swiftdecode.drafting import DraftVocab, add_chain, draft
 from swiftdecode.errors import UserError
+from swiftdecode.grammar import Grammars
 from swiftdecode.model import SwiftModel, warm_up
 from swiftdecode.params import check_params
 from swiftdecode.prefix import PrefixStore
@@ -46,6 +47,7 @@ class Generator:
         self.method, self.tokenizer, self.sm = method, tokenizer, warm_up(SwiftModel(model))  # see warm_up
         self.cfg = cfg = config or (preset(method) if method != "ar" else None)
         self.prompts, self.eos = Prompts(tokenizer, self.sm.vocab_size, self.sm.max_length), eos_ids(model, tokenizer)
+        self.grammars = Grammars(tokenizer, self.sm.vocab_size, self.eos)
         self.vocab = DraftVocab(self.sm, cfg.draft_vocab if cfg else 0)
         self.schedule = RoundScheduler(cfg.modes, cfg.adaptive) if cfg else None  # None: plain decoding (`ar`)
         self.tuner = SkipTuner(self.sm, cfg) if cfg and "draft" in cfg.modes else None  # None: no skip draft
@@ -79,14 +81,16 @@ class Generator:
 
     def request(
         self, prompt: str | list[int], *, max_new_tokens: int = 128, seed: int | None = None, chat: bool = False,
-        logprobs: int | None = None, stop: list[str] | None = None, **sampling,
+        logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None, **sampling,
     ) -> Request:  # fmt: skip
         """A validated request, not started (UserError on bad input). `sampling`: the keywords of
         `params.check_params` (temperature, top_p, top_k, the penalties, min_p, logit_bias). `logprobs` (0-20; None:
-        off): each token's log-probability and that many alternatives (`logprobs.TokenLogprob`)."""
+        off): each token's log-probability and that many alternatives (`logprobs.TokenLogprob`). `grammar`: the
+        answer's structure, {"json_schema": schema} | {"regex": str} | {"lark": str} (`grammar.grammar_text`)."""
         params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
+        constraint = self.grammars.constraint(grammar) if grammar is not None else None
         ids = self.prompts.encode(prompt, chat)  # shorter than the model's context
-        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids)
+        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint)
         budget = min(max_new_tokens, self.sm.max_length - len(ids))
         return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers, logprobs)
 

@@ -35,6 +35,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         "--logit-bias", action="append", default=None, metavar="ID=BIAS",
         help="add BIAS (in [-100, 100]) to token ID's logit at every step (repeatable); -100 all but bans it",
     )  # fmt: skip
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema", metavar="SCHEMA", help="answer in JSON valid for this schema (a file or JSON text)"
+    )
+    shape.add_argument("--regex", help="answer in text that matches this regular expression")
+    shape.add_argument("--lark", metavar="FILE", help="answer in text this Lark grammar (llguidance's syntax) accepts")
     p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
 
 
@@ -56,7 +62,31 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     kw |= {k: getattr(args, k) for k in CONTROLS} | {"logit_bias": _logit_bias(args.logit_bias)}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
     check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
-    return dict(kw, seed=args.seed, stop=args.stop) | ({"logprobs": logprobs} if logprobs is not None else {})
+    out = dict(kw, seed=args.seed, stop=args.stop, grammar=_grammar(args))
+    return out | ({"logprobs": logprobs} if logprobs is not None else {})
+
+
+def _grammar(args: argparse.Namespace) -> dict | None:
+    """--json-schema / --regex / --lark -> the engine's grammar spec (None: free text); files are read here."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.lark is not None:
+        return {"lark": _read(args.lark, "--lark")}
+    if args.json_schema is None:
+        return None
+    text = args.json_schema if args.json_schema.lstrip().startswith("{") else _read(args.json_schema, "--json-schema")
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as e:
+        raise UserError(f"--json-schema is not valid JSON: {e}") from None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _logit_bias(items: list[str] | None) -> dict[int, float] | None:

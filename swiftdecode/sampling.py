@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from swiftdecode.grammar import Constraint
 from swiftdecode.params import SamplingParams
 
 
@@ -141,22 +142,24 @@ def exp_noise(key: int, ids: np.ndarray) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses the token at absolute position t from that position's logits [V], after the logit bias and the
-    penalties of the tokens before it (`seen`, `counts`, and a verified path's tokens not yet counted).
-    `prompt`: the prompt's ids, which the repetition penalty counts as seen."""
+    """Chooses the token at absolute position t from that position's logits [V], after the logit bias, the
+    penalties of the tokens before it (`seen`, `counts`, and a verified path's tokens not yet counted) and the
+    grammar `constraint`. `prompt`: the prompt's ids, which the repetition penalty counts as seen."""
 
-    def __init__(self, params: SamplingParams, seed: int, prompt: list[int] = ()):
-        self.params = params
-        self.seed = seed
+    def __init__(self, params: SamplingParams, seed: int, prompt: list[int] = (), constraint: Constraint | None = None):
+        self.params, self.seed, self.constraint = params, seed, constraint
         self.noise: dict[int, torch.Tensor] = {}  # whole-vocabulary noise of recent positions
         self.counts: dict[int, int] = {}  # how often each token was generated so far (with penalties only)
         self.seen: set[int] = set(prompt) if params.repetition_penalty != 1.0 else set()  # prompt and generated
         self.seen_ids = torch.tensor(sorted(self.seen), dtype=torch.long)  # `seen` as a tensor, kept in step
+        self.out = torch.empty(0)  # `adjusted`'s result, reused: a fresh [V] buffer each pick costs page faults
         bias = params.logit_bias
         self.bias = (torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias])) if bias else None
 
     def count(self, tokens: list[int]) -> None:
-        """Tokens the generation took: later picks penalize them."""
+        """Tokens the generation took: later picks penalize them (and the grammar has read them)."""
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         if self.params.penalized:
             for t in tokens:
                 self.counts[t] = self.counts.get(t, 0) + 1
@@ -166,7 +169,7 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> int:
         """The token at `position`; `after`: tokens generated since the last `count` (a tree path being verified)."""
-        if self.params.penalized or self.bias is not None:
+        if self.params.penalized or self.bias is not None or self.constraint is not None:
             logits = self.adjusted(logits, after)
         if self.params.greedy:
             return argmax(logits)
@@ -179,8 +182,10 @@ class Sampler:
         """The logits [V] a pick chooses from, a new float32 tensor, in this order: + logit_bias; the repetition
         penalty r on every token seen (prompt, counts, `after`): x / r where x > 0, else x · r (transformers');
         OpenAI's penalties: − (frequency_penalty · c[v] + presence_penalty) for each token v generated c[v] > 0
-        times (counts, then `after`)."""
-        p, out = self.params, logits.float().clone()
+        times (counts, then `after`); −inf where the grammar allows no token. Valid until the next call."""
+        if self.out.shape != logits.shape:
+            self.out = torch.empty_like(logits, dtype=torch.float32)
+        p, out = self.params, self.out.copy_(logits)
         if self.bias is not None:
             out[self.bias[0]] += self.bias[1]
         if p.repetition_penalty != 1.0:
@@ -196,6 +201,8 @@ class Sampler:
                 ids = torch.tensor(list(counts))
                 c = torch.tensor(list(counts.values()), dtype=torch.float32)
                 out[ids] -= c * p.frequency_penalty + p.presence_penalty
+        if self.constraint is not None:
+            out.masked_fill_(~self.constraint.allowed(after), float("-inf"))
         return out
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:

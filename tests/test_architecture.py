@@ -17,6 +17,7 @@ LAYERS = {
     "kernels": ["kernels"],
     "runtime": ["cache", "prefix", "tree", "skip", "model", "lean", "fastpath", "quantized"],
     "decoding": [
+        "grammar",
         "sampling",
         "logprobs",
         "drafting",

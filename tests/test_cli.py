@@ -43,6 +43,17 @@ def test_generate_logit_bias_and_repetition_penalty(capsys):
     assert first not in json.loads(capsys.readouterr().out)["token_ids"]
 
 
+def test_generate_json_schema_from_a_file(tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], '
+                      '"additionalProperties": false}')  # fmt: skip
+    ask = "Reply in JSON with a field n holding a number."
+    argv = ["generate", "--prompt", ask, "--max-new-tokens", "24", "--json-schema", str(schema)]
+    assert main([*argv, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["finish_reason"] == "stop" and isinstance(json.loads(rec["text"])["n"], int)
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [
@@ -60,6 +71,9 @@ def test_generate_logit_bias_and_repetition_penalty(capsys):
         (["--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
         (["--prompt", "hi", "--logit-bias", "5=200"], "--logit-bias"),
         (["--prompt", "hi", "--logit-bias", "99999999=1"], "integers in [0, 49152)"),
+        (["--prompt", "hi", "--json-schema", "{not json"], "--json-schema is not valid JSON"),
+        (["--prompt", "hi", "--json-schema", "/no/such/schema.json"], "cannot read"),
+        (["--prompt", "hi", "--regex", "[a-"], "does not compile"),
         (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--prompt", "hi", "--cache-dir", "/proc/no-such-dir"], "cannot create the cache directory"),
         (["--prompt", "hi " * 9000], "context"),

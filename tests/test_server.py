@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -159,6 +160,31 @@ def test_sampling_controls_are_the_engines(smollm, client):
         assert r.choices[0].text == ref, kw
 
 
+def test_structured_output(gen, client):
+    """response_format json_object / json_schema and the `grammar` extension, answered as the engine answers."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Name a city in France, as JSON."}]
+    ref = gen.generate(gen.chat_ids(messages), max_new_tokens=40, grammar={"json_schema": schema}).text
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           response_format=fmt, stream=stream)  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
+        assert text == ref and set(json.loads(text)) == {"city"}
+    ask = [{"role": "user", "content": "Give a JSON object with a city in France."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
+                                  extra_body={"grammar": {"regex": " [0-9]{4}"}})  # fmt: skip
+    assert re.fullmatch(" [0-9]{4}", r.choices[0].text)
+
+
 def test_stop_and_seed(gen, client):
     prompt = "1, 2, 3, 4, 5,"
     full = gen.generate(prompt, max_new_tokens=16, temperature=0.0).text
@@ -211,6 +237,14 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),  # fmt: skip
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": {"regex": "[a-"}}, "grammar"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": {"sql": "x"}}, "grammar"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),

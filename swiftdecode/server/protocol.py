@@ -22,9 +22,9 @@ MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any tem
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
-UNSUPPORTED = tuple("echo suffix tools functions best_of response_format".split())
+UNSUPPORTED = tuple("echo suffix tools functions best_of".split())
 NEUTRAL = (None, False, 0, "", [], {})
-NEUTRAL_EXTRA = {"best_of": (1,), "response_format": ({"type": "text"},)}
+NEUTRAL_EXTRA = {"best_of": (1,)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> OpenAI field, where they differ
 # check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
@@ -120,7 +120,26 @@ def parse_sampling(body: dict, chat: bool) -> dict:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
     sampling |= {k: v for k, v in controls.items() if v != CONTROLS[k][0]} | ({"logit_bias": bias} if bias else {})
-    return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat)}
+    return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat), **parse_grammar(body)}
+
+
+def parse_grammar(body: dict) -> dict:
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
+    or this server's `grammar` extension (the engine's spec: {"json_schema" | "regex" | "lark": ...}) -> the
+    engine's `grammar` keyword, if any. Whether a grammar compiles is the engine's to check."""
+    fmt, grammar = take(body, "response_format", "dict"), take(body, "grammar", "dict")
+    kind = fmt.get("type") if fmt else "text"
+    check(kind in ("text", "json_object", "json_schema"), f"unknown response_format type {kind!r}", "response_format")
+    check(kind == "text" or grammar is None, "give 'response_format' or 'grammar', not both", "grammar")
+    if kind == "json_object":
+        return {"grammar": {"json_schema": {"type": "object"}}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        check(isinstance(spec, dict), "'response_format.json_schema' must be an object", "response_format")
+        schema = spec.get("schema", {"type": "object"})
+        check(isinstance(schema, dict), "'response_format.json_schema.schema' must be an object", "response_format")
+        return {"grammar": {"json_schema": schema}}
+    return {"grammar": grammar} if grammar else {}
 
 
 def parse_logit_bias(body: dict) -> dict[int, float] | None:

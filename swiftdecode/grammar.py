@@ -1,0 +1,102 @@
+"""Structured output: a request's answer constrained to a JSON schema, a regular expression or a Lark grammar.
+
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) tracks the parse and gives, for each position, the
+tokens that keep the output inside the grammar; the sampler sets every other token's logit to −inf before it
+picks. Speculative rounds stay lossless: verification asks for the mask at each position of the path it is
+following (the matcher consumes the path's tokens, and rolls them back when the round ends), so every position
+is masked exactly as plain decoding masks it. Once the grammar is complete only an end-of-sequence token remains.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+from swiftdecode.params import ParamError
+
+KINDS = ("json_schema", "regex", "lark")  # a grammar spec is {kind: value}, exactly one of these
+
+
+def grammar_text(spec: object) -> str:
+    """llguidance's grammar for a spec: {"json_schema": schema (dict or JSON text)}, {"regex": str} or
+    {"lark": str}; ParamError("grammar", ...) for a spec of another shape."""
+    if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in KINDS):
+        raise ParamError("grammar", f"grammar must be one of {{{', '.join(map(repr, KINDS))}: ...}}, got {spec!r:.80}")
+    (kind, value), make = next(iter(spec.items())), llguidance.LLMatcher
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ParamError("grammar", f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ParamError("grammar", f"json_schema must be a JSON object, got {value!r:.80}")
+        return make.grammar_from_json_schema(value)
+    if not isinstance(value, str):
+        raise ParamError("grammar", f"{kind} must be a string, got {value!r:.80}")
+    return make.grammar_from_regex(value) if kind == "regex" else make.grammar_from_lark(value)
+
+
+class Grammars:
+    """Grammar constraints for one tokenizer and a model of `vocab` logits; `eos`: the ids that end an answer
+    (allowed where the grammar may end). The grammar engine's view of the tokenizer is built on first use (~0.5-2 s)."""
+
+    def __init__(self, tokenizer, vocab: int, eos: set[int]):
+        self.tokenizer, self.vocab, self.eos, self.lltok = tokenizer, vocab, sorted(eos), None
+
+    def constraint(self, spec: object) -> Constraint:
+        """A new request's constraint (ParamError for a spec that is malformed or does not compile)."""
+        text = grammar_text(spec)
+        if self.lltok is None:
+            self.lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=self.eos)
+        if error := llguidance.LLMatcher.validate_grammar(text, self.lltok):
+            lines = [line.strip() for line in error.splitlines() if line.strip()]  # where, the source, a caret, why
+            why = [line for line in lines[1:] if line.startswith("error:")][:1]
+            raise ParamError("grammar", f"grammar does not compile: {' '.join(lines[:1] + why)}")
+        return Constraint(llguidance.LLMatcher(self.lltok, text, log_level=0), self.vocab, set(self.eos))
+
+
+class Constraint:
+    """One request's grammar state: the tokens taken so far (`commit`), plus a tree path being verified. A path
+    may run on past an end-of-sequence token (`eos`); what follows it is never taken, and is not parsed."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos: set[int]):
+        self.matcher, self.vocab, self.eos = matcher, vocab, eos
+        self.bits = np.zeros((vocab + 31) // 32, dtype=np.int32)  # llguidance's mask: bit i of word w is token 32w + i
+        self.path: list[int] = []  # tokens consumed beyond the committed ones (a path during verification)
+
+    def allowed(self, after: list[int] | tuple) -> torch.Tensor:
+        """Bool [vocab]: the tokens that may follow the committed tokens and then `after` (up to an EOS in it)."""
+        after = next((after[:i] for i, t in enumerate(after) if t in self.eos), after)
+        n = len(self.path)
+        if n > len(after) or list(after[:n]) != self.path:  # a different path: start again from the committed
+            self._rollback()
+            n = 0
+        self._consume(list(after[n:]))
+        self.path.extend(after[n:])
+        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        self._check()
+        return torch.from_numpy(np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].view(bool))
+
+    def commit(self, tokens: list[int]) -> None:
+        """Tokens the generation took (after a round's verification)."""
+        self._rollback()
+        self._consume(tokens)
+
+    def _rollback(self) -> None:
+        if self.path:
+            self.matcher.rollback(len(self.path))
+            self.path = []
+
+    def _consume(self, tokens: list[int]) -> None:
+        if tokens:
+            self.matcher.consume_tokens(tokens)
+            self._check()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():  # only our own bug could get here: every token consumed was allowed
+            raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
