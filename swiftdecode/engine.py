@@ -83,13 +83,11 @@ class Generator:
         self, prompt: str | list[int], *, max_new_tokens: int = 128, seed: int | None = None, chat: bool = False,
         logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None, **sampling,
     ) -> Request:  # fmt: skip
-        """A validated request, not started (UserError on bad input). `sampling`: the keywords of
-        `params.check_params` (temperature, top_p, top_k, the penalties, min_p, logit_bias). `logprobs` (0-20; None:
-        off): each token's log-probability and that many alternatives (`logprobs.TokenLogprob`). `grammar`: the
-        answer's structure, {"json_schema": schema} | {"regex": str} | {"lark": str} (`grammar.grammar_text`)."""
+        """A validated request, not started (UserError on bad input). `sampling`: `params.check_params`'s keywords
+        (temperature, top_p, top_k, the penalties, min_p, logit_bias); `logprobs` (0-20; None: off): each token's
+        log-probability and that many alternatives; `grammar`: the answer's structure (`grammar.grammar_text`)."""
         params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
-        constraint = self.grammars.constraint(grammar) if grammar is not None else None
-        ids = self.prompts.encode(prompt, chat)  # shorter than the model's context
+        constraint, ids = self.grammars.constraint(grammar), self.prompts.encode(prompt, chat)  # ids < the context
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint)
         budget = min(max_new_tokens, self.sm.max_length - len(ids))
         return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers, logprobs)

@@ -48,8 +48,10 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, eos: set[int]):
         self.tokenizer, self.vocab, self.eos, self.lltok = tokenizer, vocab, sorted(eos), None
 
-    def constraint(self, spec: object) -> Constraint:
-        """A new request's constraint (ParamError for a spec that is malformed or does not compile)."""
+    def constraint(self, spec: object | None) -> Constraint | None:
+        """A new request's constraint, None without a spec (ParamError for one malformed or that does not compile)."""
+        if spec is None:
+            return None
         text = grammar_text(spec)
         if self.lltok is None:
             self.lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=self.eos)
