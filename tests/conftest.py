@@ -84,3 +84,25 @@ def pick_prompts(records: list[dict], per_category: int, categories: list[str]) 
     for cat in categories:
         out += [r["turns"][0] for r in records if r["category"] == cat][:per_category]
     return out
+
+
+def batched_and_solo(gen, mix: list[tuple[str, dict]], max_new_tokens: int) -> tuple[list, list[list[int]]]:
+    """Chat prompts with their keywords, answered alone and then joining a Batch one round apart: (the batched
+    Requests, the solo answers' token ids)."""
+    from swiftdecode.batch import Batch
+
+    solo = [gen.generate(p, chat=True, max_new_tokens=max_new_tokens, **kw).token_ids for p, kw in mix]
+    batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=max_new_tokens, **kw) for p, kw in mix]
+    for req in reqs:
+        batch.add(req)
+        batch.step()
+    while len(batch):
+        batch.step()
+    return reqs, solo
+
+
+def teacher_forced_rows(gen, prompt: str, answer: list[int]):
+    """Logits [len(answer), V] of a fresh forward over the chat prompt and answer: row i chose answer[i]."""
+    ids = gen.chat_ids([{"role": "user", "content": prompt}])
+    gen.sm.reset()
+    return gen.sm.logits(gen.sm.prefill(ids + answer)[len(ids) - 1 :]), ids

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import batched_and_solo
 
 from swiftdecode import Generator, UserError
-from swiftdecode.batch import Batch
 from swiftdecode.params import SamplingParams
 from swiftdecode.sampling import Sampler, kept, probabilities
 
@@ -60,13 +60,7 @@ def test_controls_batch_equals_solo(smollm):
         ("List ten fruits.", dict(logit_bias={11: 5.0, 28: -100}, frequency_penalty=0.5)),
         ("Count from one to ten.", dict(repetition_penalty=1.05)),
     ]
-    solo = [gen.generate(p, chat=True, max_new_tokens=32, **kw).token_ids for p, kw in mix]
-    batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=32, **kw) for p, kw in mix]
-    for req in reqs:
-        batch.add(req)
-        batch.step()
-    while len(batch):
-        batch.step()
+    reqs, solo = batched_and_solo(gen, mix, 32)
     assert sum(r.stats.batched_rounds for r in reqs) > 0 and [r.new for r in reqs] == solo
 
 

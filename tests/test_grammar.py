@@ -8,9 +8,9 @@ import re
 
 import pytest
 import torch
+from conftest import batched_and_solo
 
 from swiftdecode import Generator, UserError
-from swiftdecode.batch import Batch
 
 SCHEMA = {
     "type": "object",
@@ -75,13 +75,7 @@ def test_grammar_batch_equals_solo(smollm):
         ("List three fruits.", {}),
         ("Pick a number.", dict(grammar={"regex": r"[1-9][0-9]?"}, temperature=0.9, seed=8)),
     ]
-    solo = [gen.generate(p, chat=True, max_new_tokens=48, **kw).token_ids for p, kw in mix]
-    batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=48, **kw) for p, kw in mix]
-    for req in reqs:
-        batch.add(req)
-        batch.step()
-    while len(batch):
-        batch.step()
+    reqs, solo = batched_and_solo(gen, mix, 48)
     assert sum(r.stats.batched_rounds for r in reqs) > 0 and [r.new for r in reqs] == solo
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import batched_and_solo, teacher_forced_rows
 
 from swiftdecode import Generator, UserError
-from swiftdecode.batch import Batch
 from swiftdecode.sampling import Sampler, argmax
 
 PROMPT = "Write the numbers from one to twenty, separated by commas."
@@ -30,9 +30,7 @@ def test_greedy_penalized_tokens_are_the_definition(smollm):
     """Teacher-forced: token i is the argmax of logits_i − (1.0·count + 0.5) over the tokens before it."""
     gen = Generator(*smollm, method="swift")
     res = gen.generate(PROMPT, chat=True, max_new_tokens=40, **PENALTIES)
-    ids = gen.chat_ids([{"role": "user", "content": PROMPT}])
-    gen.sm.reset()
-    rows = gen.sm.logits(gen.sm.prefill(ids + res.token_ids)[len(ids) - 1 :])
+    rows, _ = teacher_forced_rows(gen, PROMPT, res.token_ids)
     for i, token in enumerate(res.token_ids):
         row = rows[i].clone()
         for t in set(res.token_ids[:i]):
@@ -44,13 +42,7 @@ def test_penalized_batch_equals_solo(smollm):
     gen = Generator(*smollm, method="swift")
     mix = [(PROMPT, PENALTIES), ("Name three planets.", dict(temperature=0.7, seed=2, presence_penalty=1.0)),
            ("List ten fruits.", {})]  # fmt: skip
-    solo = [gen.generate(p, chat=True, max_new_tokens=32, **kw).token_ids for p, kw in mix]
-    batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=32, **kw) for p, kw in mix]
-    for req in reqs:
-        batch.add(req)
-        batch.step()
-    while len(batch):
-        batch.step()
+    reqs, solo = batched_and_solo(gen, mix, 32)
     assert sum(r.stats.batched_rounds for r in reqs) > 0 and [r.new for r in reqs] == solo
 
 
@@ -90,9 +82,7 @@ def test_greedy_repetition_penalty_is_the_definition(smollm):
     divided by 1.1 where positive, multiplied where not."""
     gen = Generator(*smollm, method="swift")
     res = gen.generate(CODE, chat=True, max_new_tokens=40, **REPEAT)
-    ids = gen.chat_ids([{"role": "user", "content": CODE}])
-    gen.sm.reset()
-    rows = gen.sm.logits(gen.sm.prefill(ids + res.token_ids)[len(ids) - 1 :])
+    rows, ids = teacher_forced_rows(gen, CODE, res.token_ids)
     for i, token in enumerate(res.token_ids):
         row = rows[i].clone()
         for t in set(ids + res.token_ids[:i]):

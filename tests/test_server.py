@@ -61,6 +61,17 @@ def metrics(url: str) -> dict[str, float]:
 # ---------------------------------------------------------------- openai client, greedy == engine
 
 
+def test_server_is_ready_only_after_the_worker_warmed_up(gen, monkeypatch):
+    """The worker's warm-up forward borrows the generator's cache: until it is done, a caller sharing the generator
+    (these tests compute references with it) would see its own cache swapped out mid-generation."""
+    import swiftdecode.server.worker as worker
+
+    done, real = [], worker.warm_up
+    monkeypatch.setattr(worker, "warm_up", lambda sm: (time.sleep(0.5), real(sm), done.append(True)))
+    with serving(create_app(gen, MODEL)):
+        assert done
+
+
 def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -134,6 +145,36 @@ def test_logprobs_are_the_engines_in_every_response_shape(gen, client):
     assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].logprobs is None
 
 
+def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
+    """An entry can arrive after its token's text went out (the engine releases entries once all their text is
+    streamed): its text_offset still counts the characters of the tokens before it."""
+    import asyncio
+
+    from swiftdecode.logprobs import TokenLogprob
+    from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
+    from swiftdecode.server.app import sse_chunks
+
+    texts = {1: "ab", 2: "c", 3: "de"}
+    entries = [TokenLogprob(t, -0.5, ()) for t in texts]
+    result = GenerationResult("abcde", [1, 2, 3], 4, "length", GenerationStats())
+    events = [
+        StreamEvent("ab", [1]),
+        StreamEvent("c", [2], None, entries[:2]),
+        StreamEvent("de", [3], result, entries[2:]),
+    ]
+
+    async def run() -> list[str]:
+        async def rest():
+            for ev in events[1:]:
+                yield ev
+
+        return [c async for c in sse_chunks({}, False, False, None, [(events[0], rest())], texts.get)]
+
+    chunks = [json.loads(c[6:]) for c in asyncio.run(run()) if c.startswith("data: {")]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [o for lp in lps for o in lp["text_offset"]] == [0, 2, 3]
+
+
 def test_penalties_are_the_engines(gen, client):
     prompt, kw = "1, 2, 3, 4,", dict(presence_penalty=0.5, frequency_penalty=1.0)
     ref = gen.generate(prompt, max_new_tokens=16, temperature=0.0, **kw)
@@ -183,6 +224,31 @@ def test_structured_output(gen, client):
     r = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
                                   extra_body={"grammar": {"regex": " [0-9]{4}"}})  # fmt: skip
     assert re.fullmatch(" [0-9]{4}", r.choices[0].text)
+
+
+def test_n_choices_decode_together_as_separate_requests(gen, client, url):
+    """`n` choices: choice i samples with seed + i, exactly as the engine answers that seed alone; streamed
+    choices interleave by index; usage counts the prompt once and every choice's tokens."""
+    prompt, kw = "Once upon a time", dict(max_tokens=12, temperature=0.9, seed=7)
+    refs = [gen.generate(prompt, max_new_tokens=12, temperature=0.9, seed=7 + i) for i in range(3)]
+    assert len({ref.text for ref in refs}) > 1
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == [ref.text for ref in refs]
+    assert r.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs)
+    messages = [{"role": "user", "content": prompt}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))  # fmt: skip
+    whole = client.chat.completions.create(model=MODEL, messages=messages, n=2, **kw)
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)]  # fmt: skip
+    assert texts == [c.message.content for c in whole.choices] and chunks[-1].usage == whole.usage
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "n": 16, "max_tokens": 64})
+    assert_error(r, 429)  # 16 jobs do not fit 8 running + 6 queued: none is kept
+    deadline = time.time() + 30
+    while (m := metrics(url))["swiftdecode_requests_running"] or m["swiftdecode_queue_depth"]:
+        assert time.time() < deadline
+        time.sleep(0.1)
 
 
 def test_stop_and_seed(gen, client):
@@ -248,7 +314,8 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),

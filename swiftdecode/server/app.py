@@ -126,6 +126,7 @@ class Api:
     async def lifespan(self, app: FastAPI):
         lim = self.limits
         self.worker = Worker(self.gen, lim.max_queue, self.metrics, lim.max_batch, lim.timeout_s, lim.kv_gb)
+        await asyncio.to_thread(self.worker.warm.wait)  # ready once warm: the warm-up borrows the model's cache
         yield
         await asyncio.to_thread(self.worker.close)
 
@@ -183,27 +184,32 @@ class Api:
         return body
 
     async def complete(self, request: Request, chat: bool) -> Any:
-        """/v1/completions and /v1/chat/completions: the whole response, or its stream of chunks."""
+        """/v1/completions and /v1/chat/completions: the whole response, or its stream of chunks. Each of the `n`
+        choices is a job of its own (they decode together in the batch)."""
         body = await self.read_request(request)
         prompt = protocol.parse_messages(body) if chat else protocol.parse_prompt(body)
-        params = protocol.parse_sampling(body, chat)
+        params, n = protocol.parse_sampling(body, chat), protocol.parse_n(body)
         stream = take(body, "stream", "bool", False)
         include_usage = take(take(body, "stream_options", "dict", {}), "include_usage", "bool", False)
-        head = protocol.response_head(chat, self.model_id)
-        events = self.run_job(request, Job(prompt, chat, params, asyncio.get_running_loop()))
+        head, loop = protocol.response_head(chat, self.model_id), asyncio.get_running_loop()
+        jobs = [self.run_job(request, Job(prompt, chat, protocol.choice_params(params, i), loop)) for i in range(n)]
         try:
-            first = await anext(events)  # surfaces queue/parameter errors as a proper HTTP status
+            firsts = await first_events(jobs)  # surfaces queue/parameter errors as a proper HTTP status
             if stream:
                 text_of = self.token_text if params["logprobs"] is not None else None
-                head = protocol.chunk_head(head, chat)
-                sse = sse_chunks(head, chat, include_usage, params["stop"], first, events, text_of)
+                parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
+                sse = sse_chunks(protocol.chunk_head(head, chat), chat, include_usage, params["stop"], parts, text_of)
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            res = first.result
-            async for ev in events:
-                res = ev.result
+            ends = [last_result(f, events) for f, events in zip(firsts, jobs, strict=True)]
+            results = await asyncio.gather(*ends, return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                raise errors[0]  # a 504, or the client left
         except Disconnected:
             return PlainTextResponse("", status_code=CLIENT_GONE)
-        return protocol.completion(head, chat, res, self.token_text)
+        finally:
+            if not stream:
+                await asyncio.gather(*(events.aclose() for events in jobs))
+        return protocol.completion(head, chat, results, self.token_text)
 
     def token_text(self, token: int) -> str:
         """A token's text, as a response's logprobs show it."""
@@ -231,19 +237,88 @@ async def next_event(job: Job, request: Request) -> object:
                 raise Disconnected from None
 
 
+async def first_events(jobs: list[AsyncIterator]) -> list[Any]:
+    """Each job's first event; if any job fails (a full queue, a bad parameter), all are closed (cancelled) and
+    its error raised."""
+    firsts = await asyncio.gather(*(anext(events) for events in jobs), return_exceptions=True)
+    if errors := [e for e in firsts if isinstance(e, BaseException)]:
+        await asyncio.gather(*(events.aclose() for events in jobs))
+        raise errors[0]
+    return firsts
+
+
+async def last_result(first: Any, events: AsyncIterator) -> Any:
+    """A job's GenerationResult, from its first event on."""
+    res = first.result
+    async for ev in events:
+        res = ev.result
+    return res
+
+
 async def sse_chunks(
-    head: dict, chat: bool, include_usage: bool, stop: list[str] | None, first: Any, events: AsyncIterator,
+    head: dict, chat: bool, include_usage: bool, stop: list[str] | None, parts: list[tuple[Any, AsyncIterator]],
     text_of: Callable[[int], str] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head. With
-    `text_of` (a token's text) each chunk carries the logprobs of the tokens the engine released up to it."""
+    """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
+    the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
+    chunk carries the logprobs of the tokens the engine released up to it."""
+    results: list = []
+    streams = [choice_chunks(head, chat, stop, first, events, text_of, i, results) for i, (first, events) in
+               enumerate(parts)]  # fmt: skip
+    try:
+        async for item in streams[0] if len(streams) == 1 else interleaved(streams):
+            yield item
+    except Disconnected:
+        return  # client gone: the jobs are cancelled by run_job
+    finally:
+        await asyncio.gather(*(stream.aclose() for stream in streams))
+    if include_usage and len(results) == len(parts):
+        yield protocol.sse({**head, "choices": [], "usage": protocol.usage(results)})
+    yield protocol.SSE_DONE
+
+
+async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of several async iterators as each comes; ends when all have."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(END)
+        except Exception as e:  # the consumer raises it (Disconnected: the client left)
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        for _ in streams:
+            while (item := await queue.get()) is not END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def choice_chunks(
+    head: dict, chat: bool, stop: list[str] | None, first: Any, events: AsyncIterator, text_of, index: int,
+    results: list,
+) -> AsyncIterator[str]:  # fmt: skip
+    """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end."""
     if chat:
-        yield protocol.chunk(head, chat, "", None, role=True)
+        yield protocol.chunk(head, chat, "", None, role=True, index=index)
     ev, text, sent, pending = first, "", 0, []  # text streamed by the engine; sent: how much of it went out
+    before = [0]  # characters of the tokens whose entries went out: the next entry's text_offset
 
     def logprobs() -> dict | None:
         entries, pending[:] = list(pending), []
-        return protocol.logprobs_json(entries, chat, text_of, sent) if text_of and entries else None
+        if not (text_of and entries):
+            return None
+        out = protocol.logprobs_json(entries, chat, text_of, before[0])
+        before[0] += sum(len(text_of(e.token)) for e in entries)
+        return out
 
     try:
         while ev.result is None:
@@ -251,20 +326,18 @@ async def sse_chunks(
             pending += ev.logprobs
             safe = len(text) - protocol.held_back(text, stop)  # never send what may turn out to be a stop string
             if safe > sent:
-                yield protocol.chunk(head, chat, text[sent:safe], None, logprobs=logprobs())
+                yield protocol.chunk(head, chat, text[sent:safe], None, logprobs=logprobs(), index=index)
                 sent = safe
             ev = await anext(events)
         res = ev.result
         pending += ev.logprobs
         if len(res.text) > sent:
-            yield protocol.chunk(head, chat, res.text[sent:], None, logprobs=logprobs())
-        yield protocol.chunk(head, chat, None, res.finish_reason, logprobs=logprobs())
-        if include_usage:
-            yield protocol.sse({**head, "choices": [], "usage": protocol.usage(res)})
+            yield protocol.chunk(head, chat, res.text[sent:], None, logprobs=logprobs(), index=index)
+        yield protocol.chunk(head, chat, None, res.finish_reason, logprobs=logprobs(), index=index)
+        results.append(res)
     except ApiError as e:
         yield protocol.sse(e.body())
-    except (Disconnected, StopAsyncIteration):
-        return  # client gone (the job is cancelled by run_job) or stream ended without a result
+    except StopAsyncIteration:
+        return  # the job ended without a result
     finally:
         await events.aclose()
-    yield protocol.SSE_DONE

@@ -18,6 +18,7 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_l
 MAX_STOP = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` at most, as OpenAI
+MAX_N = 16  # choices per request at most: each is a request of its own in the batch (and in the queue)
 MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any temperature >= 0
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
@@ -99,7 +100,6 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     for key in UNSUPPORTED:
         if body.get(key) not in NEUTRAL + NEUTRAL_EXTRA.get(key, ()):
             raise ApiError(400, f"'{key}' is not supported by this server", key)
-    check(take(body, "n", "int", 1) == 1, "only n=1 is supported", "n")
     max_tokens = take(body, "max_tokens", "int", UNTIL_EOS if chat else COMPLETION_MAX_TOKENS)
     if chat:
         max_tokens = take(body, "max_completion_tokens", "int", max_tokens)
@@ -140,6 +140,20 @@ def parse_grammar(body: dict) -> dict:
         check(isinstance(schema, dict), "'response_format.json_schema.schema' must be an object", "response_format")
         return {"grammar": {"json_schema": schema}}
     return {"grammar": grammar} if grammar else {}
+
+
+def parse_n(body: dict) -> int:
+    """How many choices to generate (OpenAI's `n`)."""
+    n = take(body, "n", "int", 1)
+    check(1 <= n <= MAX_N, f"'n' must be in [1, {MAX_N}]", "n")
+    return n
+
+
+def choice_params(params: dict, index: int) -> dict:
+    """The engine keywords of choice `index`: with a seed, choice i samples with seed + i (so choices differ and
+    each is reproducible); without one, each draws its own."""
+    seed = params.get("seed")
+    return params if seed is None or index == 0 else {**params, "seed": (seed + index) % (MAX_SEED + 1)}
 
 
 def parse_logit_bias(body: dict) -> dict[int, float] | None:
@@ -217,14 +231,14 @@ def response_head(chat: bool, model_id: str) -> dict:
     }
 
 
-def usage(res: Any) -> dict:
-    """OpenAI's token counts of a GenerationResult."""
-    n, cached = len(res.token_ids), res.stats.cached_prompt_tokens
+def usage(results: list) -> dict:
+    """OpenAI's token counts of a request's GenerationResults (one per choice; the prompt counts once)."""
+    n, first = sum(len(r.token_ids) for r in results), results[0]
     return {
-        "prompt_tokens": res.prompt_tokens,
+        "prompt_tokens": first.prompt_tokens,
         "completion_tokens": n,
-        "total_tokens": res.prompt_tokens + n,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "total_tokens": first.prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": first.stats.cached_prompt_tokens},
     }
 
 
@@ -246,12 +260,15 @@ def logprobs_json(entries: list, chat: bool, text_of: Callable[[int], str], offs
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
 
 
-def completion(head: dict, chat: bool, res: Any, text_of: Callable[[int], str]) -> dict:
-    """The whole (non-streamed) response to a request; `swiftdecode` holds the engine's statistics."""
-    text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
-    logprobs = logprobs_json(res.logprobs, chat, text_of) if res.logprobs is not None else None
-    choice = {"index": 0, **text, "logprobs": logprobs, "finish_reason": res.finish_reason}
-    return {**head, "choices": [choice], "usage": usage(res), "swiftdecode": res.stats.to_dict()}
+def completion(head: dict, chat: bool, results: list, text_of: Callable[[int], str]) -> dict:
+    """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
+    engine's statistics of the first choice."""
+    choices = []
+    for i, res in enumerate(results):
+        text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
+        logprobs = logprobs_json(res.logprobs, chat, text_of) if res.logprobs is not None else None
+        choices.append({"index": i, **text, "logprobs": logprobs, "finish_reason": res.finish_reason})
+    return {**head, "choices": choices, "usage": usage(results), "swiftdecode": results[0].stats.to_dict()}
 
 
 def sse(payload: dict) -> str:
@@ -260,15 +277,16 @@ def sse(payload: dict) -> str:
 
 
 def chunk(
-    head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None
-) -> str:
-    """A streamed chunk (`head` from chunk_head): a piece of text, or the finish reason (text None), with the
-    `logprobs` of the tokens it completes (from logprobs_json) if any."""
+    head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None,
+    index: int = 0,
+) -> str:  # fmt: skip
+    """A streamed chunk of choice `index` (`head` from chunk_head): a piece of text, or the finish reason (text
+    None), with the `logprobs` of the tokens it completes (from logprobs_json) if any."""
     if chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return sse({**head, "choices": [choice]})
 
 

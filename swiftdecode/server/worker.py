@@ -95,6 +95,7 @@ class Worker:
         self.starting = 0  # jobs taken from the queue, being validated and prefilled
         self.closed = False
         release_thread_pool()  # the worker thread runs the kernels from now on: one OpenMP pool, not two
+        self.warm = threading.Event()  # set once the worker's warm-up forward is done (the server is ready then)
         self.thread = threading.Thread(target=self._loop, name="swiftdecode-worker", daemon=True)
         self.thread.start()
 
@@ -146,7 +147,10 @@ class Worker:
         self.thread.join(timeout=JOIN_S)
 
     def _loop(self) -> None:
-        warm_up(self.running.gen.sm)  # this thread runs the forwards: its first one is not a request's (see warm_up)
+        try:  # this thread runs the forwards: its first one is not a request's (see warm_up)
+            warm_up(self.running.gen.sm)
+        finally:
+            self.warm.set()
         while True:
             with self.cond:
                 while not self.pending and not self.running and not self.closed:
