@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from swiftdecode.cache import SwiftCache
+
 # OpenAI's floor for a log-probability too small to represent (JSON has no -Infinity)
 FLOOR = -9999.0
 # The k likeliest tokens are looked for among the logits within a margin of the largest, widened until at least k
@@ -51,3 +53,21 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenL
             top = tuple((int(t), max(float(x[t] - lse), FLOOR)) for t in ids)
         out.append(TokenLogprob(token, max(float(x[token] - lse), FLOOR), top))
     return out
+
+
+PROMPT_CHUNK = 256  # prompt rows per forward when scoring a prompt: bounds the [rows, V] logits held at once
+
+
+def prompt_logprobs(sm, ids: list[int], k: int) -> tuple[list[TokenLogprob], SwiftCache]:
+    """Entries for ids[1:] (entry i: ids[i + 1] under the logits after ids[: i + 1]) from a causal forward of `ids`
+    on a fresh cache, in chunks, and that cache (`sm`: a model.SwiftModel). On the batch-invariant kernels a row
+    depends only on the tokens before it, so each entry is what generating that token reports."""
+    saved, sm.cache = sm.cache, SwiftCache(sm.n_layers, len(ids))
+    try:
+        out = []
+        for s in range(0, len(ids), PROMPT_CHUNK):
+            rows = sm.logits(sm.prefill(ids[s : s + PROMPT_CHUNK]))
+            out += token_logprobs(rows, ids[s + 1 : s + 1 + PROMPT_CHUNK], k)
+        return out, sm.cache
+    finally:
+        sm.cache = saved

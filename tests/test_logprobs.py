@@ -75,3 +75,16 @@ def test_batched_requests_report_their_solo_logprobs(smollm):
 def test_bad_logprobs_is_a_user_error(smollm, bad):
     with pytest.raises(UserError, match="logprobs"):
         Generator(*smollm, method="ar").request("hi", logprobs=bad)
+
+
+def test_prompt_logprobs_are_what_generating_those_tokens_reports(smollm):
+    """Scoring a text (the server's echo) gives each token the entry the engine reports when it generates it:
+    a prompt row depends only on the tokens before it, chunked or not."""
+    from swiftdecode.logprobs import prompt_logprobs
+
+    gen = Generator(*smollm, method="swift")
+    ids = gen.prompts.encode("The capital of France is", False)
+    res = gen.generate(ids, max_new_tokens=12, logprobs=2)
+    entries, cache = prompt_logprobs(gen.sm, ids + res.token_ids, 2)
+    assert cache.length == len(ids) + len(res.token_ids) and len(entries) == cache.length - 1
+    assert entries[len(ids) - 1 :] == res.logprobs

@@ -175,6 +175,29 @@ def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
     assert [o for lp in lps for o in lp["text_offset"]] == [0, 2, 3]
 
 
+def test_echo_scores_the_prompt(gen, client, url):
+    """/v1/completions' echo (as lm-eval's local-completions uses it): the prompt's tokens with their
+    log-probabilities, the first without one, then the answer's, which are the engine's."""
+    from swiftdecode.logprobs import prompt_logprobs
+
+    prompt = "The capital of France is"
+    ids = gen.prompts.encode(prompt, False)
+    scored, _ = prompt_logprobs(gen.sm, ids, 1)
+    ref = gen.generate(prompt, max_new_tokens=6, logprobs=1)
+    for max_tokens, tail in ((0, []), (6, ref.logprobs)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1,
+                                      temperature=0)  # fmt: skip
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == prompt + (ref.text if max_tokens else "") == "".join(lp.tokens)
+        assert lp.token_logprobs == [None] + [e.logprob for e in scored + tail] and lp.top_logprobs[0] is None
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(tail)
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1})
+    assert r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)] == [e.logprob for e in scored]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert plain.choices[0].text == prompt and plain.choices[0].logprobs is None
+
+
 def test_penalties_are_the_engines(gen, client):
     prompt, kw = "1, 2, 3, 4,", dict(presence_penalty=0.5, frequency_penalty=1.0)
     ref = gen.generate(prompt, max_new_tokens=16, temperature=0.0, **kw)
@@ -315,6 +338,14 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "echo"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": 1}, "echo"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
+            "echo",
+        ),  # fmt: skip
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -188,11 +188,12 @@ class Api:
         choices is a job of its own (they decode together in the batch)."""
         body = await self.read_request(request)
         prompt = protocol.parse_messages(body) if chat else protocol.parse_prompt(body)
-        params, n = protocol.parse_sampling(body, chat), protocol.parse_n(body)
+        params, n, echo = protocol.parse_sampling(body, chat), protocol.parse_n(body), protocol.parse_echo(body, chat)
         stream = take(body, "stream", "bool", False)
         include_usage = take(take(body, "stream_options", "dict", {}), "include_usage", "bool", False)
         head, loop = protocol.response_head(chat, self.model_id), asyncio.get_running_loop()
-        jobs = [self.run_job(request, Job(prompt, chat, protocol.choice_params(params, i), loop)) for i in range(n)]
+        choices = [Job(prompt, chat, protocol.choice_params(params, i), loop, echo=echo) for i in range(n)]
+        jobs = [self.run_job(request, job) for job in choices]
         try:
             firsts = await first_events(jobs)  # surfaces queue/parameter errors as a proper HTTP status
             if stream:
@@ -209,7 +210,14 @@ class Api:
         finally:
             if not stream:
                 await asyncio.gather(*(events.aclose() for events in jobs))
-        return protocol.completion(head, chat, results, self.token_text)
+        return protocol.completion(
+            head, chat, results, self.token_text, self.echoed(prompt, choices[0]) if echo else None
+        )
+
+    def echoed(self, prompt: str | list[int], job: Job) -> tuple:
+        """protocol.completion's `echo` of a scored job: the prompt's text, ids and entries."""
+        text = prompt if isinstance(prompt, str) else self.gen.prompts.decode(prompt)
+        return text, job.prompt_ids, job.prompt_logprobs
 
     def token_text(self, token: int) -> str:
         """A token's text, as a response's logprobs show it."""

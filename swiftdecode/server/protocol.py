@@ -23,7 +23,7 @@ MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any tem
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
-UNSUPPORTED = tuple("echo suffix tools functions best_of".split())
+UNSUPPORTED = tuple("suffix tools functions best_of".split())
 NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -103,6 +103,7 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     max_tokens = take(body, "max_tokens", "int", UNTIL_EOS if chat else COMPLETION_MAX_TOKENS)
     if chat:
         max_tokens = take(body, "max_completion_tokens", "int", max_tokens)
+    score_only = max_tokens == 0 and parse_echo(body, chat)  # the prompt's logprobs, nothing generated
     temperature = take(body, "temperature", "number", 1.0)
     check(temperature <= MAX_TEMPERATURE, f"'temperature' must be between 0 and {MAX_TEMPERATURE}", "temperature")
     top_p, top_k = take(body, "top_p", "number", 1.0), take(body, "top_k", "int", 0)
@@ -115,7 +116,8 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     controls = {k: take(body, k, "number", off) for k, (off, _) in CONTROLS.items()}
     bias = parse_logit_bias(body)
     try:
-        params = check_params(max_tokens, temperature, top_p, top_k, stop, names=QUOTED, logit_bias=bias, **controls)
+        params = check_params(1 if score_only else max_tokens, temperature, top_p, top_k, stop, names=QUOTED,
+                              logit_bias=bias, **controls)  # fmt: skip
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
@@ -140,6 +142,15 @@ def parse_grammar(body: dict) -> dict:
         check(isinstance(schema, dict), "'response_format.json_schema.schema' must be an object", "response_format")
         return {"grammar": {"json_schema": schema}}
     return {"grammar": grammar} if grammar else {}
+
+
+def parse_echo(body: dict, chat: bool) -> bool:
+    """/v1/completions' `echo`: the response's text (and logprobs) begin with the prompt's; then max_tokens may
+    be 0 (scoring a text)."""
+    echo = take(body, "echo", "bool", False)
+    check(not (echo and chat), "'echo' is a /v1/completions parameter", "echo")
+    check(not (echo and take(body, "stream", "bool", False)), "'echo' is supported without streaming", "echo")
+    return echo
 
 
 def parse_n(body: dict) -> int:
@@ -242,9 +253,12 @@ def usage(results: list) -> dict:
     }
 
 
-def logprobs_json(entries: list, chat: bool, text_of: Callable[[int], str], offset: int = 0) -> dict:
+def logprobs_json(
+    entries: list, chat: bool, text_of: Callable[[int], str], offset: int = 0, first: int | None = None
+) -> dict:
     """OpenAI's `logprobs` of a choice or chunk from `logprobs.TokenLogprob` entries; text_of: a token's text.
-    The completions API's text_offset counts each token's text from `offset` (the characters before them)."""
+    The completions API's text_offset counts each token's text from `offset` (the characters before them);
+    `first`: a token before the entries that has no log-probability (an echoed prompt's first)."""
     if chat:
 
         def item(token: int, logprob: float) -> dict:
@@ -253,20 +267,25 @@ def logprobs_json(entries: list, chat: bool, text_of: Callable[[int], str], offs
 
         content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}
-    tokens = [text_of(e.token) for e in entries]
+    head = [] if first is None else [text_of(first)]
+    tokens = head + [text_of(e.token) for e in entries]
     starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    top = [{text_of(t): lp for t, lp in e.top} for e in entries]
-    logprobs = [e.logprob for e in entries]
+    top = [None] * len(head) + [{text_of(t): lp for t, lp in e.top} for e in entries]
+    logprobs = [None] * len(head) + [e.logprob for e in entries]
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
 
 
-def completion(head: dict, chat: bool, results: list, text_of: Callable[[int], str]) -> dict:
+def completion(
+    head: dict, chat: bool, results: list, text_of: Callable[[int], str], echo: tuple | None = None
+) -> dict:  # fmt: skip
     """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
-    engine's statistics of the first choice."""
+    engine's statistics of the first choice. `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
+    for ids[1:] or None), which each choice's text and logprobs begin with."""
     choices = []
     for i, res in enumerate(results):
-        text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
-        logprobs = logprobs_json(res.logprobs, chat, text_of) if res.logprobs is not None else None
+        said, first, before = (echo[0], echo[1][0], echo[2] or []) if echo else ("", None, [])
+        text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": said + res.text}
+        logprobs = logprobs_json(before + res.logprobs, chat, text_of, 0, first) if res.logprobs is not None else None
         choices.append({"index": i, **text, "logprobs": logprobs, "finish_reason": res.finish_reason})
     return {**head, "choices": choices, "usage": usage(results), "swiftdecode": results[0].stats.to_dict()}
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.openmp import release_thread_pool
+from swiftdecode.logprobs import prompt_logprobs
 from swiftdecode.model import warm_up
+from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
 
@@ -47,6 +49,9 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     request: Any = None  # the engine's Request, once validated
     answered: bool = False  # some text was streamed
+    echo: bool = False  # the response begins with the prompt: its ids (and entries, with logprobs) are set here
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
 
     def emit(self, item: object) -> None:
         """Thread-safe put into `events` (no-op once the event loop is gone)."""
@@ -214,6 +219,8 @@ class Running:
             if job.request is None:
                 self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
                 prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: this thread only
+                if job.echo and self.score(job, prompt):
+                    return True
                 job.request = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
             req, need = job.request, job.request.capacity * self.per_token
             if need > self.kv_bytes:
@@ -234,6 +241,21 @@ class Running:
             self.fail([job], ApiError(e.status, str(e), getattr(e, "field", None)))
         except Exception as e:  # never let one request take the server down
             self.fail([job], internal_error(e))
+        return True
+
+    def score(self, job: Job, prompt: str | list[int]) -> bool:
+        """Echo: the prompt's ids and, with logprobs, its tokens' entries (its cache then goes to the prefix store,
+        so the request's prefill copies it). A job that asks for no new tokens is answered here (True)."""
+        job.prompt_ids, k = self.gen.prompts.encode(prompt, False), job.params["logprobs"]
+        if k is not None:
+            job.prompt_logprobs, cache = prompt_logprobs(self.gen.sm, job.prompt_ids, k)
+            self.gen.prefixes.save(job.prompt_ids, cache)
+        if job.params["max_new_tokens"]:
+            return False
+        n, lps = len(job.prompt_ids), [] if k is not None else None
+        job.emit(StreamEvent("", [], GenerationResult("", [], n, "length", GenerationStats(prompt_tokens=n), lps)))
+        job.emit(END)
+        self.metrics.count("length")
         return True
 
     def round(self) -> None:
