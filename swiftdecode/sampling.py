@@ -179,10 +179,10 @@ class Sampler:
         return int(ids[argmax(p / self.noise_of(position, ids))])
 
     def adjusted(self, logits: torch.Tensor, after: list[int] | tuple = ()) -> torch.Tensor:
-        """The logits [V] a pick chooses from, a new float32 tensor, in this order: + logit_bias; the repetition
+        """The logits [V] a pick chooses from, float32, in this order: + logit_bias; the repetition
         penalty r on every token seen (prompt, counts, `after`): x / r where x > 0, else x · r (transformers');
         OpenAI's penalties: − (frequency_penalty · c[v] + presence_penalty) for each token v generated c[v] > 0
-        times (counts, then `after`); −inf where the grammar allows no token. Valid until the next call."""
+        times (counts, then `after`); −inf where the grammar forbids the token. In a buffer the next call reuses."""
         if self.out.shape != logits.shape:
             self.out = torch.empty_like(logits, dtype=torch.float32)
         p, out = self.params, self.out.copy_(logits)
