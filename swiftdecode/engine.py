@@ -84,13 +84,13 @@ class Generator:
         logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None, **sampling,
     ) -> Request:  # fmt: skip
         """A validated request, not started (UserError on bad input). `sampling`: `params.check_params`'s keywords
-        (temperature, top_p, top_k, the penalties, min_p, logit_bias); `logprobs` (0-20; None: off): each token's
-        log-probability and that many alternatives; `grammar`: the answer's structure (`grammar.grammar_text`)."""
+        (temperature, top_p, top_k, penalties, min_p, logit_bias, min_tokens, ignore_eos); `logprobs` (0-20; None:
+        off): each token's log-probability and that many alternatives; `grammar`: the answer's structure."""
         params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
         constraint, ids = self.grammars.constraint(grammar), self.prompts.encode(prompt, chat)  # ids < the context
-        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint)
-        budget = min(max_new_tokens, self.sm.max_length - len(ids))
-        return Request(ids, budget, sampler, stop or [], self.eos, self.prompts.decode, self.sm.n_layers, logprobs)
+        sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint, self.eos)
+        budget, eos = min(max_new_tokens, self.sm.max_length - len(ids)), set() if params.ignore_eos else self.eos
+        return Request(ids, budget, sampler, stop or [], eos, self.prompts.decode, self.sm.n_layers, logprobs)
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""

@@ -13,7 +13,10 @@ from swiftdecode.errors import UserError
 from swiftdecode.params import CONTROLS, check_params
 
 # engine keyword -> the flag a user typed, for error messages
-SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "logit_bias", *CONTROLS)
+SAMPLING = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "logit_bias", "min_tokens", "ignore_eos",
+    *CONTROLS,
+)  # fmt: skip
 FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 
 
@@ -35,6 +38,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         "--logit-bias", action="append", default=None, metavar="ID=BIAS",
         help="add BIAS (in [-100, 100]) to token ID's logit at every step (repeatable); -100 all but bans it",
     )  # fmt: skip
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many new tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens to --max-new-tokens")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
         "--json-schema", metavar="SCHEMA", help="answer in JSON valid for this schema (a file or JSON text)"
@@ -59,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    kw |= {k: getattr(args, k) for k in CONTROLS} | {"logit_bias": _logit_bias(args.logit_bias)}
+    kw |= {k: getattr(args, k) for k in (*CONTROLS, "min_tokens", "ignore_eos")}
+    kw |= {"logit_bias": _logit_bias(args.logit_bias)}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
     check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
     out = dict(kw, seed=args.seed, stop=args.stop, grammar=_grammar(args))

@@ -38,6 +38,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides the (positive) logits of the prompt's and generated tokens
     min_p: float = 0.0  # sampling keeps tokens at least min_p times as likely as the likeliest
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
+    min_tokens: int = 0  # end-of-sequence tokens are not picked before this many new tokens
+    ignore_eos: bool = False  # an end-of-sequence token does not end the answer (only max_new_tokens or a stop)
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +85,8 @@ def check_params(
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
     logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
     vocab: int | None = None,
 ) -> SamplingParams:
     """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
@@ -105,6 +109,9 @@ def check_params(
         ("repetition_penalty", repetition_penalty, _is_positive(repetition_penalty), "a finite number > 0 (1: off)"),
         ("min_p", min_p, _is_number(min_p) and 0 <= min_p <= 1, "a number in [0, 1]"),
         ("logit_bias", logit_bias, _bias_ok(logit_bias, vocab), f"a mapping of token ids ({ids}) to {bias_range}"),
+        ("min_tokens", min_tokens, _is_int(min_tokens) and 0 <= min_tokens, "an integer >= 0"),
+        ("min_tokens", min_tokens, not _is_int(max_new_tokens) or min_tokens <= max_new_tokens, "<= max_new_tokens"),
+        ("ignore_eos", ignore_eos, isinstance(ignore_eos, bool), "true or false"),
         (
             "logprobs",
             logprobs,
@@ -118,7 +125,7 @@ def check_params(
     bias = tuple(sorted((t, float(b)) for t, b in (logit_bias or {}).items()))
     return SamplingParams(
         float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty),
-        float(repetition_penalty), float(min_p), bias,
+        float(repetition_penalty), float(min_p), bias, min_tokens, ignore_eos,
     )  # fmt: skip
 
 

@@ -144,10 +144,15 @@ def exp_noise(key: int, ids: np.ndarray) -> torch.Tensor:
 class Sampler:
     """Chooses the token at absolute position t from that position's logits [V], after the logit bias, the
     penalties of the tokens before it (`seen`, `counts`, and a verified path's tokens not yet counted) and the
-    grammar `constraint`. `prompt`: the prompt's ids, which the repetition penalty counts as seen."""
+    grammar `constraint`. `prompt`: the prompt's ids, which the repetition penalty counts as seen; `eos`: the ids
+    that end an answer, which min_tokens holds back until position len(prompt) + min_tokens."""
 
-    def __init__(self, params: SamplingParams, seed: int, prompt: list[int] = (), constraint: Constraint | None = None):
+    def __init__(
+        self, params: SamplingParams, seed: int, prompt: list[int] = (), constraint: Constraint | None = None,
+        eos: set[int] = frozenset(),
+    ):  # fmt: skip
         self.params, self.seed, self.constraint = params, seed, constraint
+        self.eos_ids, self.eos_until = torch.tensor(sorted(eos), dtype=torch.long), len(prompt) + params.min_tokens
         self.noise: dict[int, torch.Tensor] = {}  # whole-vocabulary noise of recent positions
         self.counts: dict[int, int] = {}  # how often each token was generated so far (with penalties only)
         self.seen: set[int] = set(prompt) if params.repetition_penalty != 1.0 else set()  # prompt and generated
@@ -169,8 +174,8 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> int:
         """The token at `position`; `after`: tokens generated since the last `count` (a tree path being verified)."""
-        if self.params.penalized or self.bias is not None or self.constraint is not None:
-            logits = self.adjusted(logits, after)
+        if self.params.penalized or self.bias is not None or self.constraint is not None or position < self.eos_until:
+            logits = self.adjusted(logits, position, after)
         if self.params.greedy:
             return argmax(logits)
         if not self.params.truncated:  # every token may win
@@ -178,11 +183,12 @@ class Sampler:
         ids, p = kept(logits, self.params)  # ascending: ties go to the lowest id, as a whole-vector argmax
         return int(ids[argmax(p / self.noise_of(position, ids))])
 
-    def adjusted(self, logits: torch.Tensor, after: list[int] | tuple = ()) -> torch.Tensor:
+    def adjusted(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> torch.Tensor:
         """The logits [V] a pick chooses from, float32, in this order: + logit_bias; the repetition
         penalty r on every token seen (prompt, counts, `after`): x / r where x > 0, else x · r (transformers');
         OpenAI's penalties: − (frequency_penalty · c[v] + presence_penalty) for each token v generated c[v] > 0
-        times (counts, then `after`); −inf where the grammar forbids the token. In a buffer the next call reuses."""
+        times (counts, then `after`); −inf where the grammar forbids the token, and for end-of-sequence tokens
+        before min_tokens (unless the grammar allows nothing else). In a buffer the next call reuses."""
         if self.out.shape != logits.shape:
             self.out = torch.empty_like(logits, dtype=torch.float32)
         p, out = self.params, self.out.copy_(logits)
@@ -201,8 +207,13 @@ class Sampler:
                 ids = torch.tensor(list(counts))
                 c = torch.tensor(list(counts.values()), dtype=torch.float32)
                 out[ids] -= c * p.frequency_penalty + p.presence_penalty
-        if self.constraint is not None:
-            out.masked_fill_(~self.constraint.allowed(after), float("-inf"))
+        allowed = self.constraint.allowed(after) if self.constraint is not None else None
+        if position < self.eos_until:
+            held = allowed.clone() if allowed is not None else torch.ones(len(out), dtype=torch.bool)
+            held[self.eos_ids] = False
+            allowed = held if allowed is None or bool(held.any()) else allowed
+        if allowed is not None:
+            out.masked_fill_(~allowed, float("-inf"))
         return out
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:

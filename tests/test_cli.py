@@ -67,6 +67,7 @@ def test_generate_json_schema_from_a_file(tmp_path, capsys):
         (["--prompt", "hi", "--stop", ""], "--stop"),
         (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty"),
         (["--prompt", "hi", "--min-p", "1.5"], "--min-p"),
+        (["--prompt", "hi", "--min-tokens", "-1"], "--min-tokens"),
         (["--prompt", "hi", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
         (["--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
         (["--prompt", "hi", "--logit-bias", "5=200"], "--logit-bias"),

@@ -74,8 +74,29 @@ def test_controls_batch_equals_solo(smollm):
         (dict(logit_bias={"5": 1}), "logit_bias"),
         (dict(logit_bias={10**9: 1}), "logit_bias"),
         (dict(logit_bias=[(5, 1)]), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=500), "min_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
     ],
 )
 def test_bad_controls_are_user_errors(smollm, kw, field):
     with pytest.raises(UserError, match=field):
         Generator(*smollm, method="ar").request("hi", **kw)
+
+
+def test_min_tokens_and_ignore_eos(smollm):
+    """min_tokens holds end-of-sequence back, ignore_eos generates past it; both as plain decoding does them, with
+    every method; a grammar that allows nothing but the end still ends the answer."""
+    kw = dict(chat=True, max_new_tokens=48)
+    short = Generator(*smollm, method="ar").generate("Say hi.", **kw)
+    assert short.finish_reason == "stop" and len(short.token_ids) < 30
+    for extra in (dict(min_tokens=len(short.token_ids) + 10), dict(ignore_eos=True)):
+        ar = Generator(*smollm, method="ar").generate("Say hi.", **kw, **extra)
+        assert (
+            len(ar.token_ids) >= len(short.token_ids) + 10 and ar.token_ids[: len(short.token_ids)] == short.token_ids
+        )
+        for method in ("swift", "ngram"):
+            assert Generator(*smollm, method=method).generate("Say hi.", **kw, **extra).token_ids == ar.token_ids
+    assert len(ar.token_ids) == 48 and ar.finish_reason == "length"  # ignore_eos: the budget ends it
+    yes = Generator(*smollm, method="swift").generate("Say yes.", **kw, min_tokens=5, grammar={"regex": "yes"})
+    assert yes.text == "yes" and yes.finish_reason == "stop"

@@ -211,13 +211,14 @@ def test_sampling_controls_are_the_engines(smollm, client):
     generator's, after everything the shared server has served before."""
     prompt = "def add(a, b):"
     fresh = Generator(*smollm, method="swift")
-    cases = [dict(repetition_penalty=1.1), dict(temperature=0.9, seed=3, min_p=0.2)]
+    cases = [dict(repetition_penalty=1.1), dict(temperature=0.9, seed=3, min_p=0.2), dict(ignore_eos=True),
+             dict(min_tokens=12)]  # fmt: skip
     first = fresh.generate(prompt, max_new_tokens=16).token_ids[0]
     cases.append(dict(logit_bias={first: -100.0}))
     for kw in cases:
         ref = fresh.generate(prompt, max_new_tokens=16, **{"temperature": 0.0, **kw}).text
         wire = {**kw, "logit_bias": {str(t): b for t, b in kw["logit_bias"].items()}} if "logit_bias" in kw else kw
-        extra = {k: v for k, v in wire.items() if k in ("repetition_penalty", "min_p")}
+        extra = {k: v for k, v in wire.items() if k in ("repetition_penalty", "min_p", "ignore_eos", "min_tokens")}
         std = {k: v for k, v in wire.items() if k not in extra}
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **{"temperature": 0, **std},
                                       extra_body=extra)  # fmt: skip
@@ -325,6 +326,8 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -1}, "top_k"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 99, "max_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
         (

@@ -31,7 +31,7 @@ API_NAMES = {"max_new_tokens": "max_tokens"}  # Generator.stream keyword -> Open
 # check_params' names for the fields, spelled as this server's other messages spell them: 'max_tokens'
 QUOTED = {
     f: f"'{API_NAMES.get(f, f)}'"
-    for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logit_bias", *CONTROLS)
+    for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logit_bias", "min_tokens", *CONTROLS)
 }
 
 
@@ -114,6 +114,8 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     check(stop is None or isinstance(stop, list), "'stop' must be a string or a list of strings", "stop")
     check(stop is None or len(stop) <= MAX_STOP, f"'stop' takes at most {MAX_STOP} sequences", "stop")
     controls = {k: take(body, k, "number", off) for k, (off, _) in CONTROLS.items()}
+    ends = {"min_tokens": take(body, "min_tokens", "int", 0), "ignore_eos": take(body, "ignore_eos", "bool", False)}
+    controls |= {k: v for k, v in ends.items() if v}  # vLLM's extensions, at their neutral values when absent
     bias = parse_logit_bias(body)
     try:
         params = check_params(1 if score_only else max_tokens, temperature, top_p, top_k, stop, names=QUOTED,
@@ -121,7 +123,8 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
     sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
-    sampling |= {k: v for k, v in controls.items() if v != CONTROLS[k][0]} | ({"logit_bias": bias} if bias else {})
+    sampling |= {k: v for k, v in controls.items() if k not in CONTROLS or v != CONTROLS[k][0]}
+    sampling |= {"logit_bias": bias} if bias else {}
     return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat), **parse_grammar(body)}
 
 
