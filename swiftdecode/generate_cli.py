@@ -40,13 +40,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many new tokens")
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens to --max-new-tokens")
+    add_grammar_arguments(p)
+    p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
+
+
+def add_grammar_arguments(p: argparse.ArgumentParser) -> None:
+    """--json-schema / --regex / --lark (one at most): the answer's structure (`grammar_spec`)."""
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
         "--json-schema", metavar="SCHEMA", help="answer in JSON valid for this schema (a file or JSON text)"
     )
     shape.add_argument("--regex", help="answer in text that matches this regular expression")
     shape.add_argument("--lark", metavar="FILE", help="answer in text this Lark grammar (llguidance's syntax) accepts")
-    p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,11 +73,11 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     kw |= {"logit_bias": _logit_bias(args.logit_bias)}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
     check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
-    out = dict(kw, seed=args.seed, stop=args.stop, grammar=_grammar(args))
+    out = dict(kw, seed=args.seed, stop=args.stop, grammar=grammar_spec(args))
     return out | ({"logprobs": logprobs} if logprobs is not None else {})
 
 
-def _grammar(args: argparse.Namespace) -> dict | None:
+def grammar_spec(args: argparse.Namespace) -> dict | None:
     """--json-schema / --regex / --lark -> the engine's grammar spec (None: free text); files are read here."""
     if args.regex is not None:
         return {"regex": args.regex}

@@ -89,6 +89,8 @@ def test_end_to_end_greedy_lossless(tmp_path, capsys):
         (["--max-new-tokens", "0"], "ok", "--max-new-tokens must be >= 1"),
         (["--temperature", "0.7", "--top-p", "1.5"], "ok", "--top-p must be"),
         (["--temperature", "0.7", "--methods", "ar,llama.cpp"], "ok", "llama.cpp runs greedy"),
+        (["--methods", "hf,ar", "--regex", "[0-9]+"], "ok", "hf takes no grammar"),
+        (["--json-schema", "{bad"], "ok", "--json-schema is not valid JSON"),
     ],
 )
 def test_bad_input_exits_2_before_loading(tmp_path, capsys, monkeypatch, extra, data, message):
@@ -113,6 +115,17 @@ class Tok:
         return " ".join(map(str, ids))
 
 
+def test_constrained_methods_are_checked_against_constrained_ar(tmp_path):
+    out = tmp_path / "out"
+    schema = '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
+    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
+            "ar,swift,ngram", "--max-new-tokens", "24", "--json-schema", schema, "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["grammar"] == {"json_schema": json.loads(schema)} and not results["mismatches"]
+    assert all(r["identical"] for r in results["records"]) and results["records"][0]["new_tokens"] > 0
+
+
 def test_summary_counts_every_mismatch():
     records = [record(0, "hf", [1, 2, 3], 10.0), record(0, "ar", [1, 2, 3], 20.0), record(0, "pld", [1, 9, 3], 30.0)]
     records += [record(1, "hf", [4, 5], 10.0, "math"), record(1, "ar", [4, 5], 10.0, "math")]
@@ -130,6 +143,7 @@ def test_summary_counts_every_mismatch():
         model="m",
         fast_path="auto",
         hf_fast_path=False,
+        grammar=None,
     )
     res = summary.summarize(records, ["hf", "ar", "pld"], args, {}, Tok(), chat=False)
     assert [(m["method"], m["prompt_id"], m["position"]) for m in res["mismatches"]] == [

@@ -14,7 +14,7 @@ from swiftdecode.bench.summary import env_info, summarize
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.data import Prompt, load_prompts
 from swiftdecode.errors import UserError
-from swiftdecode.generate_cli import FLAGS
+from swiftdecode.generate_cli import FLAGS, add_grammar_arguments, grammar_spec
 from swiftdecode.params import check_params
 from swiftdecode.text import eos_ids
 
@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampled = "> 0: sampled, one seed per prompt for all methods (lossless: equal to ar's output)"
     parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {sampled}")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (default: 1)")
+    add_grammar_arguments(parser)  # constrained answers, for our engine's methods
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -90,6 +91,11 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
         raise UserError("--concurrency must be >= 0, --max-batch and --pairs >= 1")
     if args.temperature > 0 and (peer := next((m for m in methods if m in PEER_METHODS), None)):
         raise UserError(f"{peer} runs greedy in this bench: compare it at --temperature 0")
+    args.grammar = grammar_spec(args)
+    if args.grammar and (other := next((m for m in methods if m not in ENGINE_METHODS), None)):
+        raise UserError(
+            f"{other} takes no grammar in this bench: --json-schema/--regex/--lark run our engine's methods"
+        )
     if args.concurrency and (len(methods) != 1 or methods[0] not in ENGINE_METHODS):
         raise UserError(f"--concurrency serves one engine method: --methods one of {', '.join(ENGINE_METHODS)}")
     categories = args.categories.split(",") if args.categories is not None else None

@@ -37,6 +37,7 @@ def summarize(records: list[dict], methods: list[str], args, env: dict, tok, cha
             "seed",
             "fast_path",
             "hf_fast_path",
+            "grammar",
         )
     }
     settings.update(methods=methods, chat=chat, prompts=len(records) // len(methods), lossless_reference=reference)
