@@ -196,6 +196,13 @@ def test_echo_scores_the_prompt(gen, client, url):
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)] == [e.logprob for e in scored]
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
     assert plain.choices[0].text == prompt and plain.choices[0].logprobs is None
+    for max_tokens in (0, 6):  # streamed: the first chunk holds the prompt, the whole equals the unstreamed answer
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1, temperature=0)
+        whole, parts = client.completions.create(**kw), list(client.completions.create(**kw, stream=True))
+        assert parts[0].choices[0].text == prompt and "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+        lps = [p.choices[0].logprobs for p in parts if p.choices[0].logprobs]
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert [x for lp in lps for x in getattr(lp, key)] == getattr(whole.choices[0].logprobs, key), key
 
 
 def test_penalties_are_the_engines(gen, client):
@@ -341,7 +348,6 @@ def test_stop_and_seed(gen, client):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "echo"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": 1}, "echo"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
         (

@@ -199,7 +199,10 @@ class Api:
             if stream:
                 text_of = self.token_text if params["logprobs"] is not None else None
                 parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
-                sse = sse_chunks(protocol.chunk_head(head, chat), chat, include_usage, params["stop"], parts, text_of)
+                said = self.echoed(prompt, choices[0]) if echo else None
+                sse = sse_chunks(
+                    protocol.chunk_head(head, chat), chat, include_usage, params["stop"], parts, text_of, said
+                )
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             ends = [last_result(f, events) for f, events in zip(firsts, jobs, strict=True)]
             results = await asyncio.gather(*ends, return_exceptions=True)
@@ -265,13 +268,13 @@ async def last_result(first: Any, events: AsyncIterator) -> Any:
 
 async def sse_chunks(
     head: dict, chat: bool, include_usage: bool, stop: list[str] | None, parts: list[tuple[Any, AsyncIterator]],
-    text_of: Callable[[int], str] | None = None,
+    text_of: Callable[[int], str] | None = None, echo: tuple | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
     the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
-    chunk carries the logprobs of the tokens the engine released up to it."""
+    chunk carries the logprobs of the tokens the engine released up to it; `echo` as protocol.completion's."""
     results: list = []
-    streams = [choice_chunks(head, chat, stop, first, events, text_of, i, results) for i, (first, events) in
+    streams = [choice_chunks(head, chat, stop, first, events, text_of, i, results, echo) for i, (first, events) in
                enumerate(parts)]  # fmt: skip
     try:
         async for item in streams[0] if len(streams) == 1 else interleaved(streams):
@@ -312,13 +315,19 @@ async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 async def choice_chunks(
     head: dict, chat: bool, stop: list[str] | None, first: Any, events: AsyncIterator, text_of, index: int,
-    results: list,
+    results: list, echo: tuple | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end."""
+    """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end. With
+    `echo` the first chunk holds the prompt (and its entries, the first token without a log-probability)."""
     if chat:
         yield protocol.chunk(head, chat, "", None, role=True, index=index)
     ev, text, sent, pending = first, "", 0, []  # text streamed by the engine; sent: how much of it went out
     before = [0]  # characters of the tokens whose entries went out: the next entry's text_offset
+    if echo is not None:
+        said, ids, entries = echo
+        lps = protocol.logprobs_json(entries, chat, text_of, 0, ids[0]) if text_of and entries is not None else None
+        yield protocol.chunk(head, chat, said, None, logprobs=lps, index=index)
+        before[0] = sum(len(text_of(t)) for t in ids) if text_of else 0
 
     def logprobs() -> dict | None:
         entries, pending[:] = list(pending), []

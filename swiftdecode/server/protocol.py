@@ -148,11 +148,10 @@ def parse_grammar(body: dict) -> dict:
 
 
 def parse_echo(body: dict, chat: bool) -> bool:
-    """/v1/completions' `echo`: the response's text (and logprobs) begin with the prompt's; then max_tokens may
-    be 0 (scoring a text)."""
+    """/v1/completions' `echo`: the response's text (and logprobs) begin with the prompt's (a stream's first chunk
+    holds it); then max_tokens may be 0 (scoring a text)."""
     echo = take(body, "echo", "bool", False)
     check(not (echo and chat), "'echo' is a /v1/completions parameter", "echo")
-    check(not (echo and take(body, "stream", "bool", False)), "'echo' is supported without streaming", "echo")
     return echo
 
 
