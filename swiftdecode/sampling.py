@@ -160,6 +160,7 @@ class Sampler:
         self.out = torch.empty(0)  # `adjusted`'s result, reused: a fresh [V] buffer each pick costs page faults
         bias = params.logit_bias
         self.bias = (torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias])) if bias else None
+        self.adjusts = params.penalized or self.bias is not None or constraint is not None  # (or min_tokens' span)
 
     def count(self, tokens: list[int]) -> None:
         """Tokens the generation took: later picks penalize them (and the grammar has read them)."""
@@ -174,7 +175,7 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, position: int, after: list[int] | tuple = ()) -> int:
         """The token at `position`; `after`: tokens generated since the last `count` (a tree path being verified)."""
-        if self.params.penalized or self.bias is not None or self.constraint is not None or position < self.eos_until:
+        if self.adjusts or position < self.eos_until:
             logits = self.adjusted(logits, position, after)
         if self.params.greedy:
             return argmax(logits)
@@ -208,12 +209,10 @@ class Sampler:
                 c = torch.tensor(list(counts.values()), dtype=torch.float32)
                 out[ids] -= c * p.frequency_penalty + p.presence_penalty
         allowed = self.constraint.allowed(after) if self.constraint is not None else None
-        if position < self.eos_until:
-            held = allowed.clone() if allowed is not None else torch.ones(len(out), dtype=torch.bool)
-            held[self.eos_ids] = False
-            allowed = held if allowed is None or bool(held.any()) else allowed
         if allowed is not None:
             out.masked_fill_(~allowed, float("-inf"))
+        if position < self.eos_until and (allowed is None or int(allowed.sum()) > int(allowed[self.eos_ids].sum())):
+            out[self.eos_ids] = float("-inf")  # held back, unless the grammar allows nothing else
         return out
 
     def noise_of(self, position: int, ids: torch.Tensor) -> torch.Tensor:

@@ -283,9 +283,8 @@ def completion(
     """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
     engine's statistics of the first choice. `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
     for ids[1:] or None), which each choice's text and logprobs begin with."""
-    choices = []
+    choices, (said, first, before) = [], (echo[0], echo[1][0], echo[2] or []) if echo else ("", None, [])
     for i, res in enumerate(results):
-        said, first, before = (echo[0], echo[1][0], echo[2] or []) if echo else ("", None, [])
         text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": said + res.text}
         logprobs = logprobs_json(before + res.logprobs, chat, text_of, 0, first) if res.logprobs is not None else None
         choices.append({"index": i, **text, "logprobs": logprobs, "finish_reason": res.finish_reason})

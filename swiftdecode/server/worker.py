@@ -221,6 +221,7 @@ class Running:
                 prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: this thread only
                 if job.echo and self.score(job, prompt):
                     return True
+                prompt = job.prompt_ids if job.echo else prompt  # encoded once
                 job.request = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
             req, need = job.request, job.request.capacity * self.per_token
             if need > self.kv_bytes:
