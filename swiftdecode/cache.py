@@ -137,6 +137,11 @@ class SwiftCache(Cache):
     def length(self) -> int:
         return self.layers[0].get_seq_length()
 
+    def limit(self, n: int) -> None:
+        """From now on no layer's buffer grows past n entries (unless an append needs more)."""
+        for layer in self.layers:
+            layer.limit = n
+
     def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> None:
         """Room for n more entries in every layer (each at most layer 0's length) for the native layer loop;
         O(1) while the buffers have room."""

@@ -14,6 +14,7 @@ COMMANDS = {
     "chat": ("swiftdecode.chat", "interactive chat in the terminal"),
     "bench": ("swiftdecode.bench.cli", "benchmark decoding methods side by side"),
     "serve": ("swiftdecode.server.cli", "OpenAI-compatible HTTP server"),
+    "soak": ("swiftdecode.server.soak", "soak a live server with concurrent valid and abusive requests"),
     "pull": ("swiftdecode.pull_cli", "download, assemble and convert a registry model"),
     "doctor": ("swiftdecode.doctor", "show the CPU matmul path and multi-token forward costs"),
 }

@@ -81,21 +81,21 @@ class Generator:
 
     def request(
         self, prompt: str | list[int], *, max_new_tokens: int = 128, seed: int | None = None, chat: bool = False,
-        logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None, **sampling,
+        logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None,
+        cache_salt: str | None = None, **sampling,
     ) -> Request:  # fmt: skip
-        """A validated request, not started (UserError on bad input). `sampling`: `params.check_params`'s keywords
-        (temperature, top_p, top_k, penalties, min_p, logit_bias, min_tokens, ignore_eos); `logprobs` (0-20; None:
-        off): each token's log-probability and that many alternatives; `grammar`: the answer's structure."""
+        """A validated request, not started (UserError on bad input). `sampling`: `params.check_params`'s keywords;
+        `logprobs` (0-20; None: off): each token's log-probability and that many alternatives; `grammar`: the
+        answer's structure; `cache_salt`: the prefix cache shares entries only between requests of one salt."""
         params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
         constraint, ids = self.grammars.constraint(grammar), self.prompts.encode(prompt, chat)  # ids < the context
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint, self.eos)
         budget, eos = min(max_new_tokens, self.sm.max_length - len(ids)), set() if params.ignore_eos else self.eos
-        return Request(ids, budget, sampler, stop or [], eos, self.prompts.decode, self.sm.n_layers, logprobs)
+        return Request(ids, budget, sampler, stop, eos, self.prompts.decode, self.sm.n_layers, logprobs, cache_salt)
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""
-        self.sm.cache = req.cache
-        t = time.perf_counter()
+        self.sm.cache, t = req.cache, time.perf_counter()
         if (cached := self.take_prompt(req)) or self.tuner is None:
             logits = self.sm.logits(self.sm.prefill(req.ids[cached:])[-1:])[0]
         else:
@@ -117,7 +117,7 @@ class Generator:
                 search = self.tuner.search  # a skip set implies its tuner
                 req.stats.skip, req.stats.search = self.skip.to_dict(), search.state if search else "off"
             self.vocab.count(req.new)
-            self.prefixes.save(req.ctx[: req.cache.length], req.cache)  # entry i holds ctx[i]'s keys and values
+            self.prefixes.save(req.ctx[: req.cache.length], req.cache, req.salt)  # entry i: ctx[i]'s keys, values
         return event
 
     def take_prompt(self, req: Request) -> int:
@@ -125,7 +125,7 @@ class Generator:
         plain prefill starts after its longest stored beginning, copied into its cache (returns that length)."""
         self.vocab.prompt(req.ids)
         if self.plain_prefill():
-            req.stats.cached_prompt_tokens = self.prefixes.restore(req.ids, req.cache)
+            req.stats.cached_prompt_tokens = self.prefixes.restore(req.ids, req.cache, req.salt)
         return req.stats.cached_prompt_tokens
 
     def plain_prefill(self) -> bool:
@@ -182,6 +182,13 @@ class Generator:
         if steps:
             self.schedule.record_draft((t1 - t0) / steps)
         return [tree.tokens[i] for i in path] + [bonus], logits[kept] if req.top_logprobs is not None else None
+
+
+def refill(sm: SwiftModel, req: Request) -> None:
+    """Recompute an evicted request's cache (`Request.evict`): a prefill of its context but the last token."""
+    sm.cache, t = req.cache, time.perf_counter()
+    sm.prefill(req.ctx[:-1])
+    req.stats.time_split["prefill"] += time.perf_counter() - t
 
 
 def plain_step(sm: SwiftModel, ctx: list[int], sampler: Sampler) -> tuple[list[int], torch.Tensor]:

@@ -10,6 +10,7 @@ is masked exactly as plain decoding masks it. Once the grammar is complete only 
 from __future__ import annotations
 
 import json
+import time
 
 import llguidance
 import llguidance.hf
@@ -19,6 +20,11 @@ import torch
 from swiftdecode.params import ParamError
 
 KINDS = ("json_schema", "regex", "lark")  # a grammar spec is {kind: value}, exactly one of these
+# One position's parse and mask may take this long at most, else the request ends (ParamError, HTTP 400): every
+# round of a batch waits for each request's masks. A JSON schema's take 0.03-2 ms (SmolLM2, the first position
+# included); an ambiguous grammar's grow with the output without bound (`x: x x | "a"`: 20 ms at 300 tokens, 0.5 s
+# at 900), and llguidance's own item limits stop it only past that.
+GRAMMAR_STEP_S = 0.05
 
 
 def grammar_text(spec: object) -> str:
@@ -55,11 +61,12 @@ class Grammars:
         text = grammar_text(spec)
         if self.lltok is None:
             self.lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=self.eos)
-        if error := llguidance.LLMatcher.validate_grammar(text, self.lltok):
-            lines = [line.strip() for line in error.splitlines() if line.strip()]  # where, the source, a caret, why
+        matcher = llguidance.LLMatcher(self.lltok, text, log_level=0)  # compiled once: an error is its state
+        if matcher.is_error():
+            lines = [line.strip() for line in matcher.get_error().splitlines() if line.strip()]  # where, source, why
             why = [line for line in lines[1:] if line.startswith("error:")][:1]
             raise ParamError("grammar", f"grammar does not compile: {' '.join(lines[:1] + why)}")
-        return Constraint(llguidance.LLMatcher(self.lltok, text, log_level=0), self.vocab, set(self.eos))
+        return Constraint(matcher, self.vocab, set(self.eos))
 
 
 class Constraint:
@@ -73,7 +80,7 @@ class Constraint:
 
     def allowed(self, after: list[int] | tuple) -> torch.Tensor:
         """Bool [vocab]: the tokens that may follow the committed tokens and then `after` (up to an EOS in it)."""
-        after = next((after[:i] for i, t in enumerate(after) if t in self.eos), after)
+        after, t0 = next((after[:i] for i, t in enumerate(after) if t in self.eos), after), time.perf_counter()
         n = len(self.path)
         if n > len(after) or list(after[:n]) != self.path:  # a different path: start again from the committed
             self._rollback()
@@ -81,7 +88,7 @@ class Constraint:
         self._consume(list(after[n:]))
         self.path.extend(after[n:])
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
-        self._check()
+        self._check(time.perf_counter() - t0)
         return torch.from_numpy(np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].view(bool))
 
     def commit(self, tokens: list[int]) -> None:
@@ -96,9 +103,16 @@ class Constraint:
 
     def _consume(self, tokens: list[int]) -> None:
         if tokens:
+            t0 = time.perf_counter()
             self.matcher.consume_tokens(tokens)
-            self._check()
+            self._check(time.perf_counter() - t0)
 
-    def _check(self) -> None:
-        if self.matcher.is_error():  # only our own bug could get here: every token consumed was allowed
-            raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
+    def _check(self, seconds: float) -> None:
+        """ParamError if the parser stopped (its item limits: every token consumed was allowed) or a step took
+        longer than GRAMMAR_STEP_S."""
+        if self.matcher.is_error():
+            why = self.matcher.get_error().splitlines()[0][:200]
+            raise ParamError("grammar", f"the grammar's parser stopped: {why}")
+        if seconds > GRAMMAR_STEP_S:
+            limit = f"{seconds * 1e3:.0f} ms for one position (at most {GRAMMAR_STEP_S * 1e3:.0f})"
+            raise ParamError("grammar", f"the grammar is too costly to follow: its parse took {limit}")

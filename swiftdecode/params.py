@@ -14,6 +14,15 @@ from swiftdecode.errors import UserError
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit for chat completions)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
+MAX_BIAS_IDS = 300  # token ids a logit_bias may name, as OpenAI's (each costs the sampler a scatter)
+# The smallest temperature that samples: logits / T is computed in float32, where a smaller T (1e-300 rounds to 0)
+# overflows to inf and the softmax to NaN. vLLM treats temperatures below this as greedy; we ask for 0 instead.
+MIN_TEMPERATURE = 1e-5
+TINY = f"0 (greedy) or at least {MIN_TEMPERATURE:g}"
+# Characters a stop string may have: streaming holds back any end of the text that begins a stop string, checked
+# every round at a cost that grows with the square of the string's length (OpenAI does not say; 1 KiB is ample).
+MAX_STOP_CHARS = 1024
+SHOWN = 80  # characters of a rejected value an error message repeats (a value may be megabytes long)
 # The logit adjustments beyond temperature, top-p and top-k: keyword (= OpenAI/vLLM field, CLI flag) -> (value that
 # turns it off, what it does). The CLIs and the server take them from here.
 CONTROLS = {
@@ -92,23 +101,24 @@ def check_params(
     """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
     -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself). `vocab`: the model's vocabulary
     size, which logit_bias's token ids must be below (None: not known yet)."""
-    bias_range = f"numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    bias = f"numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
     ids = "integers >= 0" if vocab is None else f"integers in [0, {vocab})"
-    stop_ok = stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+    stop_ok = stop is None or isinstance(stop, list) and all(_is_stop(s) for s in stop)
     rules = (  # (field, value, holds, what it must be); NaN fails every comparison, so it is rejected
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens), "an integer"),
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, ">= 1"),
         ("temperature", temperature, _is_number(temperature), "a number"),
         ("temperature", temperature, _is_number(temperature) and 0 <= temperature < math.inf, "finite and >= 0"),
+        ("temperature", temperature, temperature == 0 or _is_positive(temperature, MIN_TEMPERATURE), TINY),
         ("top_p", top_p, _is_number(top_p), "a number"),
         ("top_p", top_p, _is_number(top_p) and 0 < top_p <= 1, "in (0, 1]"),
         ("top_k", top_k, _is_int(top_k), "an integer"),
         ("top_k", top_k, _is_int(top_k) and top_k >= 0, ">= 0 (0 disables it)"),
-        ("stop", stop, stop_ok, "a list of non-empty strings"),
+        ("stop", stop, stop_ok, f"a list of non-empty strings of at most {MAX_STOP_CHARS} characters"),
         *penalty_rules(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
         ("repetition_penalty", repetition_penalty, _is_positive(repetition_penalty), "a finite number > 0 (1: off)"),
         ("min_p", min_p, _is_number(min_p) and 0 <= min_p <= 1, "a number in [0, 1]"),
-        ("logit_bias", logit_bias, _bias_ok(logit_bias, vocab), f"a mapping of token ids ({ids}) to {bias_range}"),
+        ("logit_bias", logit_bias, _bias_ok(logit_bias, vocab), f"at most {MAX_BIAS_IDS} token ids ({ids}): {bias}"),
         ("min_tokens", min_tokens, _is_int(min_tokens) and 0 <= min_tokens, "an integer >= 0"),
         ("min_tokens", min_tokens, not _is_int(max_new_tokens) or min_tokens <= max_new_tokens, "<= max_new_tokens"),
         ("ignore_eos", ignore_eos, isinstance(ignore_eos, bool), "true or false"),
@@ -121,7 +131,7 @@ def check_params(
     )
     for field, value, holds, what in rules:
         if not holds:
-            raise ParamError(field, f"{(names or {}).get(field, field)} must be {what}, got {value!r}")
+            raise ParamError(field, f"{(names or {}).get(field, field)} must be {what}, got {value!r:.{SHOWN}}")
     bias = tuple(sorted((t, float(b)) for t, b in (logit_bias or {}).items()))
     return SamplingParams(
         float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty),
@@ -129,17 +139,26 @@ def check_params(
     )  # fmt: skip
 
 
-def _is_positive(v: object) -> bool:
-    return _is_number(v) and 0 < v < math.inf
+def _is_positive(v: object, least: float = 0.0) -> bool:
+    """A finite number > 0 (and >= `least`)."""
+    return _is_number(v) and 0 < v < math.inf and v >= least
+
+
+def _is_stop(s: object) -> bool:
+    return isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
 
 
 def _bias_ok(bias: object, vocab: int | None) -> bool:
     """None, or {token id in [0, vocab): bias within MAX_LOGIT_BIAS}."""
     if bias is None:
         return True
-    return isinstance(bias, Mapping) and all(
-        _is_int(t) and 0 <= t < (vocab or math.inf) and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS
-        for t, b in bias.items()
+    return (
+        isinstance(bias, Mapping)
+        and len(bias) <= MAX_BIAS_IDS
+        and all(
+            _is_int(t) and 0 <= t < (vocab or math.inf) and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS
+            for t, b in bias.items()
+        )
     )
 
 

@@ -109,17 +109,19 @@ class Request:
     """
 
     def __init__(
-        self, ids: list[int], budget: int, sampler: Sampler, stop: list[str], eos: set[int], decode, layers: int,
-        top_logprobs: int | None = None,
+        self, ids: list[int], budget: int, sampler: Sampler, stop: list[str] | None, eos: set[int], decode, layers: int,
+        top_logprobs: int | None = None, salt: str | None = None,
     ):  # fmt: skip
-        self.ids, self.budget, self.sampler, self.stop, self.eos, self.decode = ids, budget, sampler, stop, eos, decode
+        self.ids, self.budget, self.sampler, self.eos, self.decode = ids, budget, sampler, eos, decode
+        self.stop = stop or []
         self.top_logprobs, self.logprobs, self.logprobs_sent = top_logprobs, [], 0
-        self.capacity = len(ids) + budget + ROUND_SLACK
+        self.capacity, self.layers = len(ids) + budget + ROUND_SLACK, layers
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
         self.copies: list[tuple[int, list[int], int]] = []  # n-gram copies not yet scored (rowcost.CopyPlanner)
         self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.salt = salt  # the prefix cache's tenant: its entries serve only requests of the same salt
         self.start = time.perf_counter()
 
     @property
@@ -130,6 +132,16 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the request has taken tokens: a prefill of it recomputes ctx[:-1] (`engine.refill`), no pick."""
+        return bool(self.new)
+
+    def evict(self) -> None:
+        """Drop the KV cache (memory ran short): a prefill of ctx[:-1] writes it again, the same bits (on the
+        batch-invariant kernels a token's entries depend only on the tokens before it), and decoding goes on."""
+        self.cache = SwiftCache(self.layers, self.capacity)
 
     def take(self, tokens: list[int], rows: torch.Tensor | None = None) -> StreamEvent | None:
         """Take a round's tokens (up to EOS, the budget or a stop string); returns the text to stream, if any.
@@ -179,8 +191,12 @@ def find_stop(text: str, stop: list[str]) -> int | None:
 
 
 def stop_overlap(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
-    return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), default=0)
+    """Length of the longest end of `text` that begins some stop string (held back while streaming): at most
+    len(s) - 1 tests per stop string s, longest first (params.MAX_STOP_CHARS bounds them)."""
+    best = 0
+    for s in stop:
+        best = next((n for n in range(min(len(s) - 1, len(text)), best, -1) if text.endswith(s[:n])), best)
+    return best
 
 
 def tokens_for(decode, ids: list[int], chars: int) -> list[int]:

@@ -20,17 +20,39 @@ class Prompts:
 
     def __init__(self, tokenizer, vocab_size: int, max_length: int):
         self.tokenizer, self.vocab_size, self.max_length = tokenizer, vocab_size, max_length
+        self._token_chars: int | None = None
+
+    @property
+    def max_chars(self) -> int:
+        """Characters that surely take more tokens than the context holds: the context times the longest token's
+        characters (a token's text decodes to at most as many characters as its vocabulary entry has: one per byte
+        in byte-level vocabularies). Checked before tokenizing: a 16 MiB prompt took ~20 s to tokenize."""
+        if self._token_chars is None:
+            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._token_chars = max(len(t) for t in tokens if t)
+        return self.max_length * self._token_chars
+
+    def _check_chars(self, chars: int) -> None:
+        if chars > self.max_chars:
+            raise UserError(
+                f"prompt has {chars} characters, more tokens than the model's context ({self.max_length} tokens) holds"
+            )
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError("this model's tokenizer has no chat template")
+        self._check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
         """Token ids of a text prompt (as the user's chat message if `chat`) or of checked ids, leaving room in the
         context for at least one new token (else UserError)."""
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt))
+        elif len(prompt) >= self.max_length:
+            raise UserError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_length} tokens")
         ids = self._ids(prompt, chat)
         if len(ids) >= self.max_length:
             raise UserError(f"prompt has {len(ids)} tokens; the model's context is {self.max_length} tokens")

@@ -52,9 +52,11 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     return err
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
-    text = httpx.get(f"{url}/metrics").text
+def metrics(url: str, key: str | None = KEY) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; /metrics asks for the API key where the server has one."""
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert r.status_code == 200, r.text
+    text = r.text
     return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
 
 
@@ -168,7 +170,7 @@ def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
             for ev in events[1:]:
                 yield ev
 
-        return [c async for c in sse_chunks({}, False, False, None, [(events[0], rest())], texts.get)]
+        return [c async for c in sse_chunks({}, False, False, [(events[0], rest())], texts.get)]
 
     chunks = [json.loads(c[6:]) for c in asyncio.run(run()) if c.startswith("data: {")]
     lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
@@ -449,9 +451,10 @@ class Controlled:
     def request(self, prompt, **kw):
         self.entered.set()
         assert self.gate.wait(60)
-        if prompt == "raise UserError":
+        text = self.gen.prompts.decode(prompt)  # the worker hands the engine the prompt's ids
+        if text == "raise UserError":
             raise UserError("rejected by the engine", status=422)
-        if prompt == "raise RuntimeError":
+        if text == "raise RuntimeError":
             raise RuntimeError("boom")
         return self.gen.request(prompt, **kw)
 

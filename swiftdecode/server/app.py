@@ -6,6 +6,7 @@ tokens, its job is cancelled and the worker moves on. /health and /metrics never
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,17 +18,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from swiftdecode.errors import UserError
 from swiftdecode.server import protocol
+from swiftdecode.server.jobs import END, Job, Prompt
 from swiftdecode.server.metrics import Metrics
-from swiftdecode.server.protocol import ApiError, check, take
-from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S, END, Job, Worker
+from swiftdecode.server.protocol import ApiError
+from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S, Worker
 
 if TYPE_CHECKING:
     from swiftdecode.engine import Generator
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 16 * 2**20  # bytes
+# A request body's size at most: BODY_PER_TOKEN bytes for each token of the model's context, at least MIN_BODY.
+# A token of a prompt is ~7 bytes as a JSON id and ~4 characters of text on average (up to 6 bytes each as JSON
+# escapes), so this leaves room for any prompt the context can take. The bound is the event loop's: parsing runs
+# in a thread but holds the interpreter lock, and 10 MiB of logit_bias entries took 1.0 s to parse.
+MIN_BODY, BODY_PER_TOKEN = 2**20, 32
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (else 408): a client trickling bytes holds a socket
 POLL_S = 0.25  # while waiting for a job's next event, how often to check that the client is still there
 CLIENT_GONE = 499  # nginx's status for a request the client abandoned (nobody is left to read it)
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
@@ -35,13 +43,16 @@ KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat
 
 @dataclass(frozen=True)
 class Limits:
-    """The serving limits (see `swiftdecode serve --help`)."""
+    """The serving limits and access (see `swiftdecode serve --help`). `api_keys`: the keys a request may send
+    (None: open); each is a tenant of the prefix cache. `metrics_key`: /metrics's own key (default: the API keys)."""
 
     max_queue: int = 64
     max_batch: int = DEFAULT_MAX_BATCH
     timeout_s: float = DEFAULT_TIMEOUT_S
     kv_gb: float = DEFAULT_KV_GB
-    api_key: str | None = None
+    api_keys: tuple[str, ...] | None = None
+    metrics_key: str | None = None
+    body_timeout_s: float = BODY_TIMEOUT_S
 
 
 def create_app(
@@ -52,14 +63,24 @@ def create_app(
     max_batch: int = DEFAULT_MAX_BATCH,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     kv_gb: float = DEFAULT_KV_GB,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
+    metrics_key: str | None = None,
+    docs: bool = False,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> FastAPI:
-    """The FastAPI app serving `gen` as model `model_id`; the worker thread stops on app shutdown."""
-    api = Api(gen, model_id, Limits(max_queue, max_batch, timeout_s, kv_gb, api_key))
-    app = FastAPI(title="swiftdecode", lifespan=api.lifespan)
+    """The FastAPI app serving `gen` as model `model_id`; the worker thread stops on app shutdown. `api_key`: one
+    key or several; `docs`: serve FastAPI's /docs, /redoc and /openapi.json (open to all)."""
+    keys = [api_key] if isinstance(api_key, str) else api_key
+    if keys is not None and not all(keys):
+        raise UserError("an API key must not be empty (it would lock every client out)")
+    limits = Limits(max_queue, max_batch, timeout_s, kv_gb, tuple(keys) if keys else None, metrics_key, body_timeout_s)
+    api = Api(gen, model_id, limits)
+    pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="swiftdecode", lifespan=api.lifespan, **pages)
+    app.state.api = api  # its worker, metrics and limits, for whoever holds the app
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, crash)
+    app.add_exception_handler(Exception, api.crash)
     app.add_middleware(StatusCounter, metrics=api.metrics)
     app.get("/health")(api.health)
     app.get("/metrics")(api.prometheus)
@@ -84,11 +105,6 @@ async def api_error(request: Request, e: ApiError) -> JSONResponse:
 async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
     return error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
-
-
-async def crash(request: Request, e: Exception) -> JSONResponse:
-    log.exception("unhandled error")
-    return error_response(ApiError(500, f"internal server error: {type(e).__name__}"))
 
 
 class StatusCounter:
@@ -121,20 +137,37 @@ class Api:
         self.metrics = Metrics()
         self.worker: Worker | None = None
         self.created = int(time.time())
+        self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.sm.max_length)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         lim = self.limits
         self.worker = Worker(self.gen, lim.max_queue, self.metrics, lim.max_batch, lim.timeout_s, lim.kv_gb)
         await asyncio.to_thread(self.worker.warm.wait)  # ready once warm: the warm-up borrows the model's cache
+        if self.worker.failure is not None:  # the server does not start (uvicorn reports it and exits)
+            raise RuntimeError(f"the generation worker failed to warm up: {self.worker.failure!r}")
         yield
         await asyncio.to_thread(self.worker.close)
 
-    async def health(self) -> dict:
-        queued, running, *_ = self.worker.depth()
-        return {"status": "ok", "model": self.model_id, "queued": queued, "running": running}
+    async def crash(self, request: Request, e: Exception) -> JSONResponse:
+        """An unhandled error: 500, counted (the status counter does not see responses made out here)."""
+        log.exception("unhandled error")
+        self.metrics.count_http(request.url.path if request.url.path in KNOWN_PATHS else "other", 500)
+        return error_response(ApiError(500, f"internal server error: {type(e).__name__}"))
 
-    async def prometheus(self) -> PlainTextResponse:
+    async def health(self) -> JSONResponse:
+        """200 while the worker runs, else 503."""
+        queued, running, *_ = self.worker.depth()
+        status = "ok" if self.worker.alive else "error"
+        body = {"status": status, "model": self.model_id, "queued": queued, "running": running}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        """The metrics, for the metrics key or (without one) any API key."""
+        if self.limits.metrics_key is not None:
+            self.check_key(request, (self.limits.metrics_key,))
+        else:
+            self.authorize(request)
         text = self.metrics.render(*self.worker.depth(), model=self.model_id, method=self.gen.method)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -157,42 +190,47 @@ class Api:
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "swiftdecode"}
 
-    def authorize(self, request: Request) -> None:
-        key = self.limits.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise ApiError(
-                401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None, "invalid_api_key"
-            )
+    def authorize(self, request: Request) -> int | None:
+        """Which API key the request sent (its index), None on an open server; else 401."""
+        return None if self.limits.api_keys is None else self.check_key(request, self.limits.api_keys)
 
-    async def read_request(self, request: Request) -> dict:
-        """The authorized request's JSON body (at most MAX_BODY bytes), naming the served model."""
-        self.authorize(request)
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"request body exceeds {MAX_BODY // 2**20} MiB")
-        body = protocol.parse_body(bytes(raw))
-        model = take(body, "model", "str")
-        check(model is not None, "missing required field 'model'", "model")
-        if model != self.model_id:
-            message = f"The model '{model}' does not exist; this server serves '{self.model_id}'"
-            raise ApiError(404, message, "model", "model_not_found")
-        return body
+    def check_key(self, request: Request, keys: tuple[str, ...]) -> int:
+        """The index of the key of `keys` the request sent as 'Authorization: Bearer KEY', else 401. Every key is
+        compared, each in constant time: the time taken tells nothing of any key."""
+        given = request.headers.get("authorization", "").encode()
+        found = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        if not any(found):
+            message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
+            raise ApiError(401, message, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        return found.index(True)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body: at most `max_body` bytes (413), arriving within the body timeout (408)."""
+
+        async def read() -> bytes:
+            raw = bytearray()
+            async for part in request.stream():
+                raw += part
+                if len(raw) > self.max_body:
+                    raise ApiError(413, f"request body exceeds {self.max_body} bytes")
+            return bytes(raw)
+
+        try:
+            return await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
 
     async def complete(self, request: Request, chat: bool) -> Any:
         """/v1/completions and /v1/chat/completions: the whole response, or its stream of chunks. Each of the `n`
-        choices is a job of its own (they decode together in the batch)."""
-        body = await self.read_request(request)
-        prompt = protocol.parse_messages(body) if chat else protocol.parse_prompt(body)
-        params, n, echo = protocol.parse_sampling(body, chat), protocol.parse_n(body), protocol.parse_echo(body, chat)
-        stream = take(body, "stream", "bool", False)
-        include_usage = take(take(body, "stream_options", "dict", {}), "include_usage", "bool", False)
+        choices is a job of its own (they decode together in the batch); the prefix cache's salt is the API key's
+        and the request's cache_salt or user."""
+        key = self.authorize(request)
+        req = await asyncio.to_thread(protocol.parse_request, await self.read_body(request), chat, self.model_id)
+        params, n, echo, stream, prompt = req.params, req.n, req.echo, req.stream, req.prompt
+        params = params | {"cache_salt": json.dumps([key, req.salt])} if key is not None or req.salt else params
         head, loop = protocol.response_head(chat, self.model_id), asyncio.get_running_loop()
-        choices = [Job(prompt, chat, protocol.choice_params(params, i), loop, echo=echo) for i in range(n)]
+        shared = Prompt(prompt, chat)  # its choices' jobs encode it once
+        choices = [Job(shared, protocol.choice_params(params, i), loop, echo=echo) for i in range(n)]
         jobs = [self.run_job(request, job) for job in choices]
         try:
             firsts = await first_events(jobs)  # surfaces queue/parameter errors as a proper HTTP status
@@ -200,9 +238,7 @@ class Api:
                 text_of = self.token_text if params["logprobs"] is not None else None
                 parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
                 said = self.echoed(prompt, choices[0]) if echo else None
-                sse = sse_chunks(
-                    protocol.chunk_head(head, chat), chat, include_usage, params["stop"], parts, text_of, said
-                )
+                sse = sse_chunks(protocol.chunk_head(head, chat), chat, req.include_usage, parts, text_of, said)
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             ends = [last_result(f, events) for f, events in zip(firsts, jobs, strict=True)]
             results = await asyncio.gather(*ends, return_exceptions=True)
@@ -220,7 +256,7 @@ class Api:
     def echoed(self, prompt: str | list[int], job: Job) -> tuple:
         """protocol.completion's `echo` of a scored job: the prompt's text, ids and entries."""
         text = prompt if isinstance(prompt, str) else self.gen.prompts.decode(prompt)
-        return text, job.prompt_ids, job.prompt_logprobs
+        return text, job.prompt.ids, job.prompt.logprobs
 
     def token_text(self, token: int) -> str:
         """A token's text, as a response's logprobs show it."""
@@ -242,7 +278,7 @@ async def next_event(job: Job, request: Request) -> object:
     """Next item of the job's channel; raises Disconnected if the client hangs up meanwhile."""
     while True:
         try:
-            return await asyncio.wait_for(job.events.get(), timeout=POLL_S)
+            return await asyncio.wait_for(job.next(), timeout=POLL_S)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 raise Disconnected from None
@@ -267,14 +303,14 @@ async def last_result(first: Any, events: AsyncIterator) -> Any:
 
 
 async def sse_chunks(
-    head: dict, chat: bool, include_usage: bool, stop: list[str] | None, parts: list[tuple[Any, AsyncIterator]],
+    head: dict, chat: bool, include_usage: bool, parts: list[tuple[Any, AsyncIterator]],
     text_of: Callable[[int], str] | None = None, echo: tuple | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
     the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
     chunk carries the logprobs of the tokens the engine released up to it; `echo` as protocol.completion's."""
     results: list = []
-    streams = [choice_chunks(head, chat, stop, first, events, text_of, i, results, echo) for i, (first, events) in
+    streams = [choice_chunks(head, chat, first, events, text_of, i, results, echo) for i, (first, events) in
                enumerate(parts)]  # fmt: skip
     try:
         async for item in streams[0] if len(streams) == 1 else interleaved(streams):
@@ -314,14 +350,14 @@ async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 
 async def choice_chunks(
-    head: dict, chat: bool, stop: list[str] | None, first: Any, events: AsyncIterator, text_of, index: int,
-    results: list, echo: tuple | None = None,
+    head: dict, chat: bool, first: Any, events: AsyncIterator, text_of, index: int, results: list,
+    echo: tuple | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end. With
     `echo` the first chunk holds the prompt (and its entries, the first token without a log-probability)."""
     if chat:
         yield protocol.chunk(head, chat, "", None, role=True, index=index)
-    ev, text, sent, pending = first, "", 0, []  # text streamed by the engine; sent: how much of it went out
+    ev, sent, pending = first, 0, []  # sent: characters of text that went out (the engine holds back stop strings)
     before = [0]  # characters of the tokens whose entries went out: the next entry's text_offset
     if echo is not None:
         said, ids, entries = echo
@@ -339,12 +375,10 @@ async def choice_chunks(
 
     try:
         while ev.result is None:
-            text += ev.text
             pending += ev.logprobs
-            safe = len(text) - protocol.held_back(text, stop)  # never send what may turn out to be a stop string
-            if safe > sent:
-                yield protocol.chunk(head, chat, text[sent:safe], None, logprobs=logprobs(), index=index)
-                sent = safe
+            if ev.text:
+                yield protocol.chunk(head, chat, ev.text, None, logprobs=logprobs(), index=index)
+                sent += len(ev.text)
             ev = await anext(events)
         res = ev.result
         pending += ev.logprobs

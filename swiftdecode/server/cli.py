@@ -13,6 +13,9 @@ from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_
 
 GRACE_S = 5  # on shutdown, in-flight requests get this long before they are cancelled
 MAX_PORT = 65535
+# Open connections at most (uvicorn's limit_concurrency; beyond -> 503): the queue, the batch and their streams
+# are far fewer, and /health must stay reachable, so this bounds only sockets left open by misbehaving clients.
+DEFAULT_MAX_CONNECTIONS = 512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("SWIFTDECODE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $SWIFTDECODE_API_KEY; none = open)",
+        action="append",
+        help="require 'Authorization: Bearer KEY'; repeat for several keys, each a tenant of the prefix cache "
+        "(default: $SWIFTDECODE_API_KEY; none = open)",
+    )
+    parser.add_argument(
+        "--metrics-key", help="the key /metrics asks for instead of an API key (default: any API key; none = open)"
+    )
+    parser.add_argument("--docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json (open)")
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections at most; beyond -> 503 (default: {DEFAULT_MAX_CONNECTIONS})",
     )
 
 
@@ -70,6 +84,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-kv-gb must be > 0, got {args.max_kv_gb}")
     if not args.prefix_cache_gb >= 0:
         raise UserError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if args.max_connections < 1:
+        raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if not all(api_keys(args) or ()) or args.metrics_key == "":
+        raise UserError("an API key must not be empty (--api-key, --metrics-key, $SWIFTDECODE_API_KEY)")
+
+
+def api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The --api-key flags, else $SWIFTDECODE_API_KEY, else None (an open server)."""
+    env = os.environ.get("SWIFTDECODE_API_KEY")
+    return args.api_key or ([env] if env is not None else None)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -107,9 +131,16 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         timeout_s=args.request_timeout,
         kv_gb=args.max_kv_gb,
-        api_key=args.api_key,
+        api_key=api_keys(args),
+        metrics_key=args.metrics_key,
+        docs=args.docs,
     )
     print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACE_S)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn.Config(
+        app, log_level="info", timeout_graceful_shutdown=GRACE_S, limit_concurrency=args.max_connections
+    )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        raise UserError("the server did not start (see the log above)")
     return 0

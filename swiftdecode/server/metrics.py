@@ -55,6 +55,7 @@ class Metrics:
     first_token: Histogram = field(default_factory=Histogram)  # submission to first streamed text
     batch_size: int = 0  # requests in the last round
     forward_rows: int = 0  # rows of the last batched forward (0: the last round ran alone)
+    preemptions: int = 0  # running requests whose KV cache was dropped for memory (recomputed on their return)
 
     def observe(self, histogram: Histogram, value: float) -> None:
         with self.lock:
@@ -133,6 +134,7 @@ def _traffic(m: Metrics, model: str, method: str) -> list[Family]:
             [(f'{{outcome="{k}"}}', n) for k, n in sorted(m.finished.items())],
         ),
         ("prompt_tokens_total", "counter", "Prompt tokens of completed requests.", [("", m.prompt_tokens)]),
+        ("preemptions_total", "counter", "Requests whose KV cache was dropped for memory.", [("", m.preemptions)]),
         (
             "prompt_tokens_cached_total",
             "counter",

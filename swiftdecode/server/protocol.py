@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from swiftdecode.params import CONTROLS, MAX_TOP_LOGPROBS, ParamError, check_params
+from swiftdecode.params import CONTROLS, MAX_BIAS_IDS, MAX_TOP_LOGPROBS, SHOWN, ParamError, check_params
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error (4xx; 401 and 404 too), server_error
+MAX_ID_DIGITS = 18  # a logit_bias key (a token id) has at most this many digits: int() of 5000 digits raises
+MAX_SALT = 256  # characters of `cache_salt` or `user` at most
+# A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one, which cannot be encoded
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+MIN_LOGPROB = -9999.0  # written for a log-probability of -inf (vLLM's convention; JSON has no infinity)
 MAX_STOP = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` at most, as OpenAI
@@ -85,13 +92,47 @@ def check(cond: bool, message: str, param: str | None = None) -> None:
 
 
 def parse_body(raw: bytes) -> dict:
-    """Request body -> JSON object, or 400."""
+    """Request body -> JSON object, or 400 (numbers of over 4300 digits and lone surrogates included)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if LONE_SURROGATE.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be encoded
+    except (ValueError, RecursionError) as e:  # UnicodeError and JSONDecodeError are ValueErrors
+        raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
     check(isinstance(body, dict), "request body must be a JSON object")
     return body
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A completion request's fields: the prompt (text, token ids or chat messages), the engine's keywords
+    (`params`), the number of choices, echo, streaming and the prefix cache's salt part (cache_salt or user)."""
+
+    prompt: str | list[int] | list[dict]
+    params: dict
+    n: int
+    echo: bool
+    stream: bool
+    include_usage: bool
+    salt: str | None
+
+
+def parse_request(raw: bytes, chat: bool, model_id: str) -> Parsed:
+    """A /v1/completions or /v1/chat/completions body -> Parsed, or ApiError (404: another model). Runs off the
+    event loop: a megabyte-long body takes a while to parse and check."""
+    body = parse_body(raw)
+    model = take(body, "model", "str")
+    check(model is not None, "missing required field 'model'", "model")
+    if model != model_id:
+        message = f"The model '{model[:SHOWN]}' does not exist; this server serves '{model_id}'"
+        raise ApiError(404, message, "model", "model_not_found")
+    prompt = parse_messages(body) if chat else parse_prompt(body)
+    params, n, echo = parse_sampling(body, chat), parse_n(body), parse_echo(body, chat)
+    stream = take(body, "stream", "bool", False)
+    include_usage = take(take(body, "stream_options", "dict", {}), "include_usage", "bool", False)
+    salts = [take(body, key, "str") for key in ("cache_salt", "user")]
+    check(all(s is None or len(s) <= MAX_SALT for s in salts), f"'cache_salt' and 'user' take {MAX_SALT} characters")
+    return Parsed(prompt, params, n, echo, stream, include_usage, next((s for s in salts if s is not None), None))
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
@@ -175,7 +216,10 @@ def parse_logit_bias(body: dict) -> dict[int, float] | None:
     bias = take(body, "logit_bias", "dict")
     if not bias:
         return None
-    ok = all(k.isdecimal() and KINDS["number"][0](v) for k, v in bias.items())
+    limit = f"'logit_bias' takes at most {MAX_BIAS_IDS} token ids"
+    check(len(bias) <= MAX_BIAS_IDS, limit, "logit_bias")
+    digits = re.compile(rf"[0-9]{{1,{MAX_ID_DIGITS}}}")
+    ok = all(digits.fullmatch(k) and KINDS["number"][0](v) for k, v in bias.items())
     check(ok, "'logit_bias' must map token ids (strings of digits) to numbers", "logit_bias")
     return {int(k): v for k, v in bias.items()}
 
@@ -265,16 +309,22 @@ def logprobs_json(
 
         def item(token: int, logprob: float) -> dict:
             text = text_of(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
 
         content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}
     head = [] if first is None else [text_of(first)]
     tokens = head + [text_of(e.token) for e in entries]
     starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    top = [None] * len(head) + [{text_of(t): lp for t, lp in e.top} for e in entries]
-    logprobs = [None] * len(head) + [e.logprob for e in entries]
+    top = [None] * len(head) + [{text_of(t): finite(lp) for t, lp in e.top} for e in entries]
+    logprobs = [None] * len(head) + [finite(e.logprob) for e in entries]
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
+
+
+def finite(logprob: float) -> float | None:
+    """A log-probability as JSON can carry it: -inf as MIN_LOGPROB, NaN as null (json.dumps would write bare
+    -Infinity or NaN, which is not JSON)."""
+    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def completion(
@@ -312,8 +362,3 @@ def chunk(
 
 def chunk_head(head: dict, chat: bool) -> dict:
     return {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-
-def held_back(text: str, stop: list[str] | None) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string (it may yet become one)."""
-    return max((k for s in stop or () for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

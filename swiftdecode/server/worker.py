@@ -7,58 +7,32 @@ job's events go back to its event loop through `Job.events`, ending with END.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.openmp import release_thread_pool
 from swiftdecode.logprobs import prompt_logprobs
 from swiftdecode.model import warm_up
 from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
+from swiftdecode.server.jobs import END, MAX_UNREAD, Job, Prompt
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
+from swiftdecode.server.reservations import Reservations
 
 if TYPE_CHECKING:
     from swiftdecode.engine import Generator
 
 log = logging.getLogger(__name__)
 
-END = object()  # last item of every job's event queue
+IDLE_S = 0.01  # how long the worker sleeps when every running request waits for its reader
 DEFAULT_MAX_BATCH = 8  # requests decoding together; see README (Serving) for the measured throughput curve
 DEFAULT_KV_GB = 4.0  # KV cache the running requests may reserve (each: prompt + max tokens + a round's slack)
 DEFAULT_TIMEOUT_S = 600.0  # a request still queued or generating this long after submission ends with HTTP 504
 JOIN_S = 30  # on close, how long to wait for the worker thread to finish its round
-
-
-@dataclass(eq=False)
-class Job:
-    """One request: its prompt (str, token ids, or chat messages), engine kwargs, and the channel back."""
-
-    prompt: str | list[int] | list[dict]
-    chat: bool
-    params: dict
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    streamed: int = 0  # tokens sent so far
-    submitted: float = field(default_factory=time.perf_counter)
-    request: Any = None  # the engine's Request, once validated
-    answered: bool = False  # some text was streamed
-    echo: bool = False  # the response begins with the prompt: its ids (and entries, with logprobs) are set here
-    prompt_ids: list[int] | None = None
-    prompt_logprobs: list | None = None
-
-    def emit(self, item: object) -> None:
-        """Thread-safe put into `events` (no-op once the event loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:
-            self.cancelled.set()
 
 
 def fail(jobs: list[Job], error: ApiError, metrics: Metrics, outcome: str = "error") -> None:
@@ -70,12 +44,41 @@ def fail(jobs: list[Job], error: ApiError, metrics: Metrics, outcome: str = "err
         metrics.count(outcome)
 
 
+def encoded(gen: Generator, prompt: Prompt) -> list[int]:
+    """The prompt's ids, encoded by the first of its choices to start (the tokenizer: the worker thread only)."""
+    if prompt.ids is None:
+        prompt.ids = gen.chat_ids(prompt.given) if prompt.chat else gen.prompts.encode(prompt.given, False)
+    return prompt.ids
+
+
+def score(gen: Generator, job: Job, metrics: Metrics) -> bool:
+    """Echo with logprobs: the prompt's entries, scored once for all its choices (the cache then goes to the prefix
+    store under the request's salt, so its prefill copies it). A job that asks for no new tokens is answered here
+    (True)."""
+    prompt, k = job.prompt, job.params["logprobs"]
+    if k is not None and prompt.logprobs is None:
+        prompt.logprobs, cache = prompt_logprobs(gen.sm, prompt.ids, k)
+        gen.prefixes.save(prompt.ids, cache, job.request.salt)
+    if job.params["max_new_tokens"]:
+        return False
+    n, lps = len(prompt.ids), [] if k is not None else None
+    job.emit(StreamEvent("", [], GenerationResult("", [], n, "length", GenerationStats(prompt_tokens=n), lps)))
+    job.emit(END)
+    metrics.count("length")
+    return True
+
+
 def timeout_error(timeout_s: float) -> ApiError:
     return ApiError(504, f"generation exceeded the server's request timeout ({timeout_s:g} s)", None, "timeout")
 
 
-def internal_error(e: Exception) -> ApiError:
-    log.exception("generation failed")
+def request_error(e: Exception) -> ApiError:
+    """The ApiError ending a request whose own work raised `e`: the engine's UserError with its status, else 500."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, UserError):
+        return ApiError(e.status, str(e), getattr(e, "field", None))
+    log.error("generation failed", exc_info=e)
     return ApiError(500, f"internal error during generation: {type(e).__name__}")
 
 
@@ -101,13 +104,18 @@ class Worker:
         self.closed = False
         release_thread_pool()  # the worker thread runs the kernels from now on: one OpenMP pool, not two
         self.warm = threading.Event()  # set once the worker's warm-up forward is done (the server is ready then)
+        self.failure: Exception | None = None  # what stopped the thread (warm-up included), if anything did
         self.thread = threading.Thread(target=self._loop, name="swiftdecode-worker", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self.thread.is_alive()
+
     def submit(self, job: Job) -> None:
         with self.cond:
-            if self.closed:
-                raise ApiError(503, "server shutting down")
+            if self.closed or not self.alive:
+                raise ApiError(503, "server shutting down" if self.closed else "the generation worker has stopped")
             free = max(self.max_batch - len(self.running) - self.starting, 0)
             if len(self.pending) >= self.max_queue + free:
                 waiting = len(self.pending) - free + 1
@@ -135,27 +143,41 @@ class Worker:
         """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved, bytes of the
         prefix cache)."""
         with self.cond:
-            reserved = sum(self.running.reserved.values())
+            reserved = self.running.reserved.bytes
             return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.prefixes.bytes
 
     def close(self) -> None:
+        self._stop(ApiError(503, "server shutting down"))
+        self.thread.join(timeout=JOIN_S)
+
+    def _stop(self, error: ApiError) -> None:
+        """No more jobs: running ones are cancelled, waiting ones end with `error`."""
         with self.cond:
             self.closed = True
             for job in self.running.jobs.values():
                 job.cancelled.set()
             for job in self.pending:
                 job.cancelled.set()
-                job.emit(ApiError(503, "server shutting down"))
+                job.emit(error)
                 job.emit(END)
             self.pending.clear()
             self.cond.notify()
-        self.thread.join(timeout=JOIN_S)
 
     def _loop(self) -> None:
         try:  # this thread runs the forwards: its first one is not a request's (see warm_up)
             warm_up(self.running.gen.sm)
+            self.warm.set()
+            self._serve()
+        except Exception as e:  # a bug: /health says so, new requests get 503, the waiting ones end
+            log.exception("the generation worker stopped")
+            self.failure = e
+            self._stop(ApiError(503, "the generation worker has stopped"))
+            self.running.cancel_all()
         finally:
             self.warm.set()
+
+    def _serve(self) -> None:
+        """Admit, drop and decode until closed."""
         while True:
             with self.cond:
                 while not self.pending and not self.running and not self.closed:
@@ -170,7 +192,11 @@ class Worker:
             self._admit()
             self.running.drop_cancelled()
             self.running.drop_late()
-            self.running.round()
+            if preempted := self.running.round():
+                with self.cond:
+                    self.pending.extendleft(reversed(preempted))
+            if self.running.idle():  # every running job waits for its reader: wait for one to read
+                time.sleep(IDLE_S)
         self.running.cancel_all()
 
     def _admit(self) -> None:
@@ -200,17 +226,20 @@ class Running:
         from swiftdecode.batch import Batch
 
         self.gen, self.metrics, self.lock, self.timeout_s = gen, metrics, lock, timeout_s
-        self.kv_bytes, self.per_token = int(kv_gb * 2**30), gen.sm.kv_bytes_per_token()
-        self.jobs: dict[object, Job] = {}  # Request -> its job
-        self.reserved: dict[object, int] = {}  # Request -> KV bytes it may grow to
+        self.jobs: dict[object, Job] = {}  # Request -> its job, in the order they started
+        exact = gen.sm.layer_loop() != "transformers"  # a dropped cache is recomputed exactly: reservations grow
+        self.reserved = Reservations(int(kv_gb * 2**30), gen.sm.kv_bytes_per_token(), exact, lock)
         self.batch = Batch(gen)
+        self.starved: set = set()  # requests that could not grow their KV reservation in the last round
+        self.waiting: set = set()  # requests that sat out the last round (starved, or their reader lags)
 
     def __len__(self) -> int:
         return len(self.jobs)
 
     def start(self, job: Job) -> bool:
         """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError). False: it must wait
-        for KV memory (the request is kept on the job)."""
+        for KV memory (the request is kept on the job). With echo the prompt is scored first (inside the
+        request's KV reservation)."""
         if job.cancelled.is_set():
             job.emit(END)
             self.metrics.count("cancelled")
@@ -218,55 +247,38 @@ class Running:
         try:
             if job.request is None:
                 self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
-                prompt = self.gen.chat_ids(job.prompt) if job.chat else job.prompt  # tokenizer: this thread only
-                if job.echo and self.score(job, prompt):
-                    return True
-                prompt = job.prompt_ids if job.echo else prompt  # encoded once
-                job.request = self.gen.request(prompt, **job.params)  # validates (UserError) before any work
-            req, need = job.request, job.request.capacity * self.per_token
-            if need > self.kv_bytes:
-                raise ApiError(
-                    413,
-                    f"prompt and max_tokens need {need / 2**30:.2f} GB of KV cache; this server allows "
-                    f"{self.kv_bytes / 2**30:.2f} GB (--max-kv-gb)",
-                )
-            if self.reserved and need > self.kv_bytes - sum(self.reserved.values()):
+                at_least_one = {"max_new_tokens": max(job.params["max_new_tokens"], 1)}  # echo may ask for none
+                job.request = self.gen.request(encoded(self.gen, job.prompt), **job.params | at_least_one)
+            req, entries = job.request, self.reserved.first(job.request)
+            if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
                 return False
+            if job.echo and score(self.gen, job, self.metrics):
+                return True
             with self.lock:
                 self.jobs[req] = job
-                self.reserved[req] = need
+            self.reserved.take(req, entries)
             self._deliver(req, self.batch.add(req))
-        except ApiError as e:
-            self.fail([job], e)
-        except UserError as e:
-            self.fail([job], ApiError(e.status, str(e), getattr(e, "field", None)))
         except Exception as e:  # never let one request take the server down
-            self.fail([job], internal_error(e))
+            self.fail([job], request_error(e))
         return True
 
-    def score(self, job: Job, prompt: str | list[int]) -> bool:
-        """Echo: the prompt's ids and, with logprobs, its tokens' entries (its cache then goes to the prefix store,
-        so the request's prefill copies it). A job that asks for no new tokens is answered here (True)."""
-        job.prompt_ids, k = self.gen.prompts.encode(prompt, False), job.params["logprobs"]
-        if k is not None:
-            job.prompt_logprobs, cache = prompt_logprobs(self.gen.sm, job.prompt_ids, k)
-            self.gen.prefixes.save(job.prompt_ids, cache)
-        if job.params["max_new_tokens"]:
-            return False
-        n, lps = len(job.prompt_ids), [] if k is not None else None
-        job.emit(StreamEvent("", [], GenerationResult("", [], n, "length", GenerationStats(prompt_tokens=n), lps)))
-        job.emit(END)
-        self.metrics.count("length")
-        return True
-
-    def round(self) -> None:
-        """One decoding round of the batch, if it has requests; on a crash its requests fail, the server lives."""
+    def round(self) -> list[Job]:
+        """One decoding round of the batch, if it has requests. A request whose own part of the round raised fails
+        alone; if the shared forward crashes, the batch's requests fail and the server lives. Returns the jobs
+        preempted for KV memory (see `preempt`), for the queue."""
         size = len(self.batch)
+        self.starved = self.reserved.grow(list(self.jobs))
+        self.waiting = self.held() | self.starved  # these sit out the round
         if not size:
-            return
+            return []
+        if preempted := self.preempt():
+            return preempted
         try:
-            for req, event in self.batch.step():
-                self._deliver(req, event)
+            for req, event in self.batch.step(self.waiting):
+                if isinstance(event, Exception):
+                    self.fail([self.jobs[req]], request_error(event))
+                else:
+                    self._deliver(req, event)
             with self.metrics.lock:
                 self.metrics.batch_size, self.metrics.forward_rows = size, self.batch.rows
         except Exception as e:
@@ -274,7 +286,34 @@ class Running:
             jobs = [self.jobs[r] for r in reqs if r in self.jobs]
             for req in reqs:
                 self.batch.remove(req)
-            self.fail(jobs, internal_error(e))
+            self.fail(jobs, request_error(e))
+        return []
+
+    def held(self) -> set:
+        """Requests whose readers have fallen MAX_UNREAD events behind: they sit out this round."""
+        with self.lock:
+            return {req for req, job in self.jobs.items() if job.unread > MAX_UNREAD}
+
+    def preempt(self) -> list[Job]:
+        """When every decoding request sits out and some wait for KV memory, nothing would ever free it: the one
+        that started last among those leaves the batch, its cache is dropped (the others may grow into it), and
+        its job goes back to the queue (returned), to prefill its context again when there is room. Lossless: the
+        same entries are recomputed."""
+        if not self.starved or self.batch.joining or any(r not in self.waiting for r in self.batch.active):
+            return []
+        req = [r for r in self.jobs if r in self.starved][-1]
+        self.batch.remove(req)
+        with self.lock:
+            job = self.jobs.pop(req)
+        self.reserved.drop(req)
+        req.evict()
+        with self.metrics.lock:
+            self.metrics.preemptions += 1
+        return [job]
+
+    def idle(self) -> bool:
+        """Whether every running request sat out the last round (nothing was decoded: the worker would spin)."""
+        return bool(self.jobs) and not self.batch.joining and self.waiting >= set(self.batch.active)
 
     def _deliver(self, req, event) -> None:
         job = self.jobs[req]
@@ -312,7 +351,7 @@ class Running:
         """End a running request's job normally (`outcome`: its finish reason, or cancelled)."""
         with self.lock:
             job = self.jobs.pop(req)
-            self.reserved.pop(req, None)
+        self.reserved.drop(req)
         self.metrics.add_streamed(job.streamed)
         self.metrics.count(outcome)
         job.emit(END)
@@ -322,5 +361,5 @@ class Running:
         with self.lock:
             for req in [r for r, j in self.jobs.items() if j in jobs]:
                 del self.jobs[req]
-                self.reserved.pop(req, None)
+                self.reserved.drop(req)
         fail(jobs, error, self.metrics, outcome)
