@@ -50,18 +50,18 @@ def run_peer(
         cmd += ["-t", str(threads), "-c", "4096"]
         if method == "llama.cpp":
             cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, timeout=600)  # bytes: a token may split a character
     finally:
         os.unlink(f.name)
+    text, err = (out.decode("utf-8", errors="replace") for out in (proc.stdout, proc.stderr))
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        tail = (err.strip().splitlines() or ["?"])[-1]
         raise RuntimeError(f"{binary.name} failed ({proc.returncode}): {tail}")
-    text = proc.stdout
     if method == "llama.cpp":
-        times = {what: float(ms) / 1000 for what, ms in _PERF.findall(proc.stderr)}
+        times = {what: float(ms) / 1000 for what, ms in _PERF.findall(err)}
         prompt_s = times.get("prompt eval", 0.0)
     else:
-        times = {what: float(s) for what, s in _LOOKUP.findall(proc.stderr)}
+        times = {what: float(s) for what, s in _LOOKUP.findall(err)}
         prompt_s = times.get("encoded", 0.0)
         text = text.split(prompt, 1)[-1] if prompt in text else text  # llama-lookup echoes the prompt
     return text, sum(times.values()), prompt_s

@@ -204,7 +204,7 @@ def test_hf_assisted_methods_match_plain_greedy(method):
 
 
 FAKE_LLAMA = """#!/bin/sh
-printf 'The capital of France is Paris, a city on the Seine with many old bridges.'
+printf 'The capital of France is Paris, a city on the Seine with many old bridges. \342\202'
 echo 'common_perf_print: prompt eval time =     100.00 ms /    17 tokens' >&2
 echo 'common_perf_print:        eval time =     400.00 ms /     7 runs' >&2
 """
@@ -212,7 +212,8 @@ echo 'common_perf_print:        eval time =     400.00 ms /     7 runs' >&2
 
 def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
     """A llama.cpp binary found through SWIFTDECODE_LLAMA_CPP gets a row timed by its own reported prompt +
-    decode time; a missing one is skipped with a note saying how to build it."""
+    decode time (its output may end inside a multi-byte character); a missing one is skipped with a note saying
+    how to build it."""
     fake = tmp_path / "bin" / "llama-completion"
     fake.parent.mkdir()
     fake.write_text(FAKE_LLAMA)
@@ -246,8 +247,29 @@ def test_warm_up_never_sees_a_timed_prompt():
 
     prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b")]
     args = argparse.Namespace(warmup=2, seed=0)
-    records = stream.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
-    assert seen[:2] == [((9,), -1), ((8,), -2)] and [r["prompt_id"] for r in records] == ["1", "2"]
+    records, failures = stream.run_stream({"ar": runner}, prompts, [[1], [2]], args, [[9], [8]])
+    assert seen[:2] == [((9,), -1), ((8,), -2)] and [r["prompt_id"] for r in records] == ["1", "2"] and not failures
+
+
+def test_a_method_failing_on_one_prompt_costs_that_row_not_the_run():
+    """As llama.cpp did when it printed half of a multi-byte character: the other prompts and methods go on."""
+
+    def flaky(ids, seed):
+        if ids == [2]:
+            raise UnicodeDecodeError("utf-8", b"\xe2", 0, 1, "unexpected end of data")
+        return Outcome([1, 2], 0.1)
+
+    prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b"), Prompt("3", "qa", "c")]
+    args = argparse.Namespace(warmup=0, seed=0)
+    records, failures = stream.run_stream({"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": flaky}, prompts,
+                                          [[1], [2], [3]], args, [])  # fmt: skip
+    assert [(r["method"], r["prompt_id"]) for r in records if r["method"] == "llama.cpp"] == [
+        ("llama.cpp", "1"), ("llama.cpp", "3")]  # fmt: skip
+    assert len(records) == 5 and [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "2")]
+    assert "UnicodeDecodeError" in failures[0]["error"]
+    from swiftdecode.bench.report import failure_lines
+
+    assert "llama.cpp` on prompt 2" in "\n".join(failure_lines({"failures": failures}))
 
 
 def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):

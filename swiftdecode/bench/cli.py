@@ -8,7 +8,7 @@ from pathlib import Path
 
 from swiftdecode.bench import runners
 from swiftdecode.bench.methods import DEFAULT_METHODS, ENGINE_METHODS, METHODS, PEER_METHODS
-from swiftdecode.bench.report import overall_table, sources_table, write_outputs
+from swiftdecode.bench.report import failure_lines, overall_table, sources_table, write_outputs
 from swiftdecode.bench.stream import WARMUP_TEXTS, run_stream
 from swiftdecode.bench.summary import env_info, summarize
 from swiftdecode.config import FAST_PATH_HELP, PREFIX_CACHE_GB
@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     methods = [m for m in methods if m not in PEER_METHODS or m in peers]
     by_method = {m: peers[m] if m in peers else runners.make_runner(m, model, tok, args, switch) for m in methods}
     warm_ids = [runners.encode(tok, text, chat) for text in WARMUP_TEXTS]
-    records = run_stream(by_method, prompts, ids, args, warm_ids)
-    results = summarize(records, methods, args, env_info(fast_path), tok, chat)
+    records, failures = run_stream(by_method, prompts, ids, args, warm_ids)
+    results = summarize(records, methods, args, env_info(fast_path), tok, chat, failures)
     write_outputs(results, out)
     if args.json:
         print(json.dumps(results, indent=2))
@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         print(overall_table(results))
         print()
         print(sources_table(results))
+        if results["failures"]:
+            print("\n" + "\n".join(failure_lines(results)))
         print(f"\nwrote {out}/results.json, results.md, speedup_by_category.png, prompt_stream.png")
     return 0
 

@@ -120,6 +120,7 @@ def markdown(results: dict) -> str:
             continue
         lines += ["", f"## {title} by category", "", category_table(results, key, spec)]
     lines += ["", "## Lossless", ""] + lossless_lines(results)
+    lines += ["", "## Failed runs", ""] + failure_lines(results) if results.get("failures") else []
     lines += [
         "",
         "![speedup by category](speedup_by_category.png)",
@@ -128,6 +129,13 @@ def markdown(results: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def failure_lines(results: dict) -> list[str]:
+    """The runs that failed (a method on a prompt), each left out of its method's numbers."""
+    fails = results.get("failures") or []
+    head = [f"{len(fails)} run(s) failed and are left out of their method's numbers:", ""] if fails else []
+    return head + [f"- `{f['method']}` on prompt {f['prompt_id']}: {f['error'][:300]}" for f in fails]
 
 
 def lossless_lines(results: dict) -> list[str]:

@@ -16,9 +16,10 @@ WARMUP_TEXTS = (  # outside every timed set: warming up on a timed prompt would 
 
 def run_stream(
     runners: dict[str, Runner], prompts: list[Prompt], ids: list[list[int]], args, warm_ids: list[list[int]]
-) -> list[dict]:
+) -> tuple[list[dict], list[dict]]:
     """Warm up on `warm_ids` (not timed prompts), then time every method on every prompt, rotating the method
-    order per prompt."""
+    order per prompt: (records, failures). A method that raises on a prompt costs that row, not the run: the
+    failure (index, prompt_id, method, error) is kept instead of a record."""
     from tqdm import tqdm
 
     names = list(runners)
@@ -29,15 +30,19 @@ def run_stream(
                 runners[m](warm_ids[w % len(warm_ids)], args.seed - 1 - w)
                 bar.update()
     records: list[dict] = []
+    failures: list[dict] = []
     focus = next((m for m in ("swift", *names) if m in names and m != "hf"), names[0])
     with tqdm(total=len(prompts) * len(names), desc="bench", file=sys.stderr, dynamic_ncols=True) as bar:
         for i, (p, x) in enumerate(zip(prompts, ids, strict=True)):
             for m in names[i % len(names) :] + names[: i % len(names)]:
                 bar.set_postfix_str(f"{m} | prompt {p.id} | {focus} {running_speedup(records, focus)}")
-                o = runners[m](x, args.seed + i)
-                records.append(record(i, p, m, len(x), o))
+                try:
+                    records.append(record(i, p, m, len(x), runners[m](x, args.seed + i)))
+                except Exception as e:
+                    failures.append({"index": i, "prompt_id": p.id, "method": m, "error": f"{type(e).__name__}: {e}"})
+                    bar.write(f"swiftdecode bench: {m} failed on prompt {p.id}: {failures[-1]['error'][:300]}")
                 bar.update()
-    return records
+    return records, failures
 
 
 def record(index: int, p: Prompt, method: str, prompt_tokens: int, o: Outcome) -> dict:

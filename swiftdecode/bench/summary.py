@@ -7,8 +7,11 @@ import platform
 from collections.abc import Callable
 
 
-def summarize(records: list[dict], methods: list[str], args, env: dict, tok, chat: bool) -> dict:
-    """results.json: settings, env, per-method overall and per-category metrics, mismatches, records."""
+def summarize(
+    records: list[dict], methods: list[str], args, env: dict, tok, chat: bool, failures: list[dict] = ()
+) -> dict:
+    """results.json: settings, env, per-method overall and per-category metrics, mismatches, records, and the
+    runs that failed (see stream.run_stream)."""
     reference = lossless_reference(methods, args.temperature)
     mismatches = compare(records, reference, tok) if reference else []
     for r in records:
@@ -16,11 +19,11 @@ def summarize(records: list[dict], methods: list[str], args, env: dict, tok, cha
             other = next((o for o in records if o["index"] == r["index"] and o["method"] == ref), None)
             ok = other is not None and other["tokens_per_s"] > 0
             r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if ok else None
-    categories = list(dict.fromkeys(r["category"] for r in records))
+    categories, failed = list(dict.fromkeys(r["category"] for r in records)), [f["method"] for f in failures]
     per_method = {}
     for m in methods:
         per_method[m] = {
-            "overall": aggregate(records, m, lambda r: True, reference),
+            "overall": aggregate(records, m, lambda r: True, reference) | {"failed": failed.count(m)},
             "by_category": {c: aggregate(records, m, lambda r, c=c: r["category"] == c, reference) for c in categories},
         }
     settings = {
@@ -40,13 +43,15 @@ def summarize(records: list[dict], methods: list[str], args, env: dict, tok, cha
             "grammar",
         )
     }
-    settings.update(methods=methods, chat=chat, prompts=len(records) // len(methods), lossless_reference=reference)
+    prompts = len({r["index"] for r in records} | {f["index"] for f in failures})
+    settings.update(methods=methods, chat=chat, prompts=prompts, lossless_reference=reference)
     return {
         "model": args.model,
         "settings": settings,
         "env": env,
         "methods": per_method,
         "mismatches": mismatches,
+        "failures": list(failures),
         "records": records,
     }
 
