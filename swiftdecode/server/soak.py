@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
             del bodies["bad_key"]  # an open server takes any key
         specs = [s for s in specs if s[0] in solo]
         warm, stuck = soak(srv, specs, solo, model, bodies, args, tally, args.warm_seconds, "warm-up", cover=True)
+        time.sleep(IDLE_S)  # the baseline is read idle, as the end is: the same state, freed memory handed back
         baseline = rss_mb(srv.pid), prefix_mb(srv)  # after the warm-up: the batch, caches and allocator have grown
         latencies, more = soak(srv, specs, solo, model, bodies, args, tally, args.seconds)
         latencies, stuck = warm + latencies, stuck + more

@@ -18,6 +18,7 @@ from swiftdecode.kernels.openmp import release_thread_pool
 from swiftdecode.logprobs import prompt_logprobs
 from swiftdecode.model import warm_up
 from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
+from swiftdecode.server.heap import release_free_memory
 from swiftdecode.server.jobs import END, MAX_UNREAD, Job, Prompt
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
@@ -179,6 +180,10 @@ class Worker:
     def _serve(self) -> None:
         """Admit, drop and decode until closed."""
         while True:
+            with self.cond:
+                idle = not self.pending and not self.running and not self.closed
+            if idle:  # once per busy -> idle turn: what the finished requests freed goes back to the system
+                release_free_memory()
             with self.cond:
                 while not self.pending and not self.running and not self.closed:
                     self.cond.wait()
