@@ -58,16 +58,37 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenL
 PROMPT_CHUNK = 256  # prompt rows per forward when scoring a prompt: bounds the [rows, V] logits held at once
 
 
-def prompt_logprobs(sm, ids: list[int], k: int) -> tuple[list[TokenLogprob], SwiftCache]:
+class PromptScorer:
     """Entries for ids[1:] (entry i: ids[i + 1] under the logits after ids[: i + 1]) from a causal forward of `ids`
-    on a fresh cache, in chunks, and that cache (`sm`: a model.SwiftModel). On the batch-invariant kernels a row
-    depends only on the tokens before it, so each entry is what generating that token reports."""
-    saved, sm.cache = sm.cache, SwiftCache(sm.n_layers, len(ids))
-    try:
-        out = []
-        for s in range(0, len(ids), PROMPT_CHUNK):
-            rows = sm.logits(sm.prefill(ids[s : s + PROMPT_CHUNK]))
-            out += token_logprobs(rows, ids[s + 1 : s + 1 + PROMPT_CHUNK], k)
-        return out, sm.cache
-    finally:
-        sm.cache = saved
+    on a cache of its own, one chunk per `step()`, so a server can score a long prompt between other requests'
+    rounds (`sm`: a model.SwiftModel, whose own cache each step leaves as it was). On the batch-invariant kernels
+    a row depends only on the tokens before it, so each entry is what generating that token reports."""
+
+    def __init__(self, sm, ids: list[int], k: int):
+        self.sm, self.ids, self.k = sm, ids, k
+        self.cache = SwiftCache(sm.n_layers, len(ids))
+        self.entries: list[TokenLogprob] = []
+        self.scored = 0  # prompt tokens through the forward so far
+
+    @property
+    def done(self) -> bool:
+        return self.scored >= len(self.ids)
+
+    def step(self) -> None:
+        """Score the next chunk of at most PROMPT_CHUNK tokens."""
+        s, sm = self.scored, self.sm
+        saved, sm.cache = sm.cache, self.cache
+        try:
+            rows = sm.logits(sm.prefill(self.ids[s : s + PROMPT_CHUNK]))
+        finally:
+            sm.cache = saved
+        self.entries += token_logprobs(rows, self.ids[s + 1 : s + 1 + PROMPT_CHUNK], self.k)
+        self.scored = min(len(self.ids), s + PROMPT_CHUNK)
+
+
+def prompt_logprobs(sm, ids: list[int], k: int) -> tuple[list[TokenLogprob], SwiftCache]:
+    """The PromptScorer's entries for ids[1:] and its cache, all chunks in one call."""
+    scorer = PromptScorer(sm, ids, k)
+    while not scorer.done:
+        scorer.step()
+    return scorer.entries, scorer.cache

@@ -223,6 +223,40 @@ def test_echo_scoring_is_inside_the_kv_budget(gen):
         assert "KV cache" in error_of(post(base, "/v1/completions", long, None), 413)["message"]
 
 
+def test_a_long_echo_is_scored_between_the_others_rounds(gen, url, solo):
+    """Scoring a long prompt (echo with logprobs, 6 chunks) holds a running stream for one chunk at a time, not
+    for the whole prompt: the stream goes on decoding while it is scored, both answers are their solo answers."""
+    from swiftdecode.logprobs import PROMPT_CHUNK, prompt_logprobs
+
+    ids = [int(t) for t in gen.tokenizer("The quick brown fox jumps over the lazy dog. " * 140).input_ids]
+    ids = ids[: 6 * PROMPT_CHUNK - 10]
+    arrivals, first = [], threading.Event()
+
+    def stream() -> None:
+        body, headers = {**STREAM, "stream": True}, {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((time.perf_counter(), json.loads(line[6:])["choices"][0]["text"]))
+                    first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(60)
+    t0 = time.perf_counter()
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "cache_salt": "echo-test"}
+    r = post(url, "/v1/completions", body)
+    t1 = time.perf_counter()
+    t.join(120)
+    assert r.status_code == 200, r.text[:300]
+    assert "".join(text for _, text in arrivals) == solo
+    during = [a for a, _ in arrivals if t0 < a < t1]
+    assert len(during) >= 3, (len(during), len(arrivals), t1 - t0)  # whole-prompt scoring let none through
+    idle(url)  # the worker is done: the generator's model is free for the reference
+    got = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert got == [e.logprob for e in prompt_logprobs(gen.sm, ids, 1)[0]]  # chunks between rounds: the same entries
+
+
 # ---------------------------------------------------------------- 4. the prefix cache leaked other users' text
 
 
@@ -429,3 +463,16 @@ def test_a_chat_without_max_tokens_reserves_what_it_holds(gen, url):
         reserved = metrics(url)["swiftdecode_kv_reserved_bytes"]
     assert 0 < reserved < gen.sm.kv_bytes_per_token() * gen.sm.max_length / 16
     idle(url)  # closing the stream cancelled it
+
+
+def test_freed_heap_memory_goes_back_to_the_system():
+    """The worker's idle-time trim (server/heap.py) reaches glibc's malloc_trim where the C library is glibc."""
+    import platform
+
+    from swiftdecode.server.heap import release_free_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    blocks = [bytearray(1 << 16) for _ in range(2000)]  # ~128 MiB in small blocks, then freed: pages to return
+    del blocks
+    assert release_free_memory() is True

@@ -24,6 +24,7 @@ class Prompt:
     chat: bool
     ids: list[int] | None = None
     logprobs: list | None = None
+    scorer: Any = None  # echo with logprobs: the logprobs.PromptScorer while its chunks are being scored
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from swiftdecode.errors import UserError
 from swiftdecode.kernels.openmp import release_thread_pool
-from swiftdecode.logprobs import prompt_logprobs
+from swiftdecode.logprobs import PromptScorer
 from swiftdecode.model import warm_up
 from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
 from swiftdecode.server.heap import release_free_memory
@@ -52,13 +52,18 @@ def encoded(gen: Generator, prompt: Prompt) -> list[int]:
     return prompt.ids
 
 
-def score(gen: Generator, job: Job, metrics: Metrics) -> bool:
-    """Echo with logprobs: the prompt's entries, scored once for all its choices (the cache then goes to the prefix
-    store under the request's salt, so its prefill copies it). A job that asks for no new tokens is answered here
+def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
+    """Echo with logprobs: the prompt's entries, scored once for all its choices, one chunk a call so that a long
+    prompt is scored between the others' rounds (None: chunks remain). Once scored, its cache goes to the prefix
+    store under the request's salt, so its prefill copies it. A job that asks for no new tokens is answered here
     (True)."""
     prompt, k = job.prompt, job.params["logprobs"]
     if k is not None and prompt.logprobs is None:
-        prompt.logprobs, cache = prompt_logprobs(gen.sm, prompt.ids, k)
+        prompt.scorer = prompt.scorer or PromptScorer(gen.sm, prompt.ids, k)
+        prompt.scorer.step()
+        if not prompt.scorer.done:
+            return None
+        prompt.logprobs, cache, prompt.scorer = prompt.scorer.entries, prompt.scorer.cache, None
         gen.prefixes.save(prompt.ids, cache, job.request.salt)
     if job.params["max_new_tokens"]:
         return False
@@ -192,6 +197,8 @@ class Worker:
                 late = [j for j in self.pending if time.perf_counter() - j.submitted > self.timeout_s]
                 for job in late:
                     self.pending.remove(job)
+            for job in late:
+                self.running.release(job)
             if late:
                 fail(late, timeout_error(self.timeout_s), self.metrics, "timeout")
             self._admit()
@@ -243,9 +250,11 @@ class Running:
 
     def start(self, job: Job) -> bool:
         """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError). False: it must wait
-        for KV memory (the request is kept on the job). With echo the prompt is scored first (inside the
-        request's KV reservation)."""
+        for KV memory, or (echo) more of its prompt is to be scored after the others' next round; the request is
+        kept on the job. With echo the prompt is scored first, a chunk a call, inside the request's KV
+        reservation."""
         if job.cancelled.is_set():
+            self.release(job)
             job.emit(END)
             self.metrics.count("cancelled")
             return True
@@ -255,9 +264,13 @@ class Running:
                 at_least_one = {"max_new_tokens": max(job.params["max_new_tokens"], 1)}  # echo may ask for none
                 job.request = self.gen.request(encoded(self.gen, job.prompt), **job.params | at_least_one)
             req, entries = job.request, self.reserved.first(job.request)
+            self.release(job)  # a prompt being scored held its entries since the last call
             if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
                 return False
-            if job.echo and score(self.gen, job, self.metrics):
+            if job.echo and (answered := score(self.gen, job, self.metrics)) is not False:
+                if answered is None:  # more to score after the others' next round: it keeps its entries meanwhile
+                    self.reserved.take(req, entries)
+                    return False
                 return True
             with self.lock:
                 self.jobs[req] = job
@@ -266,6 +279,11 @@ class Running:
         except Exception as e:  # never let one request take the server down
             self.fail([job], request_error(e))
         return True
+
+    def release(self, job: Job) -> None:
+        """Drop the KV entries a queued job holds (an echo prompt between two of its scored chunks)."""
+        if job.request is not None and job.request not in self.jobs:
+            self.reserved.drop(job.request)
 
     def round(self) -> list[Job]:
         """One decoding round of the batch, if it has requests. A request whose own part of the round raised fails
