@@ -2,9 +2,9 @@
 once, against one client at a time, on the same server (same model, method and batching settings).
 
 Each client streams `/v1/completions` with the prompt's token ids (chat template applied once, as in the bench),
-greedy, over one keep-alive connection of its own (as an OpenAI SDK client does), and records time to first token
-(first streamed text), wall time and completion tokens. Reported per mode: aggregate tokens/s (all completion
-tokens / wall time of the whole replay), p50/p95 time to first token, mean per-request tokens/s, HTTP 429s, the
+greedy, each request on a new local connection (llama-server closes a streamed answer's connection unannounced),
+and records time to first token (first streamed text), wall time and completion tokens. Reported per mode:
+aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first token, mean per-request tokens/s, HTTP 429s, the
 CPU seconds the clients used, and whether every answer equals the one-client answer to the same prompt. The
 clients run in a process of their own, as a server's clients are other programs: they share the machine's cores
 with the server (their CPU time says how much), not its interpreter lock.
@@ -91,8 +91,8 @@ def replay(url: str, ids: list[list[int]], max_tokens: int, clients: int) -> dic
     for job in enumerate(ids):
         todo.put(job)
 
-    def one_client() -> None:  # its own keep-alive connection; the next prompt when done
-        with httpx.Client(timeout=600) as client:
+    def one_client() -> None:  # the next prompt when done, on a new connection (a reused one fails on llama-server)
+        with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
             while True:
                 try:
                     i, prompt = todo.get_nowait()
@@ -128,24 +128,34 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 
 
 def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int, pairs: int = 1) -> dict:
-    """One client, then `clients` at once, through one server, `pairs` times alternated (a machine's speed
-    drifts: each pair's ratio compares neighbours); answers compared prompt by prompt within each pair. Each
-    replay starts with an empty prefix cache, so only what its requests share (a chat template's system prompt)
-    is reused, as it would be live. The top-level replays and speedup are the pair of median speedup."""
+    """One client, then `clients` at once, through one of our servers (see `replay_pairs`). Each replay starts
+    with an empty prefix cache, so only what its requests share (a chat template's system prompt) is reused, as
+    it would be live."""
     from swiftdecode.server import create_app
 
     app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
+    with serving(app) as url:
+        return {"max_batch": max_batch, **replay_pairs(url, ids, max_tokens, clients, pairs, gen.prefixes.clear)}
+
+
+def replay_pairs(url: str, ids: list[list[int]], max_tokens: int, clients: int, pairs: int, clear=None) -> dict:
+    """One client, then `clients` at once, through the OpenAI-compatible server at `url`, `pairs` times
+    alternated (a machine's speed drifts: each pair's ratio compares neighbours); answers compared prompt by
+    prompt within each pair; `clear()` (if given) runs before each replay. The top-level replays and speedup are
+    the pair of median speedup."""
     runs = []
-    with serving(app) as url, multiprocessing.get_context("spawn").Pool(1) as client:
+    with multiprocessing.get_context("spawn").Pool(1) as client:
         client.apply(ask, (url, ids[0], 8))  # warm-up
-        for _ in range(pairs):  # each replay from an empty prefix cache (the server is idle between them)
-            gen.prefixes.clear()
+        for _ in range(pairs):  # the server is idle between replays
+            if clear:
+                clear()
             solo = client.apply(replay, (url, ids, max_tokens, 1))
-            gen.prefixes.clear()
+            if clear:
+                clear()
             together = client.apply(replay, (url, ids, max_tokens, clients))
             runs.append(_pair(solo, together))
     median = sorted(runs, key=lambda r: r["speedup"])[(len(runs) - 1) // 2]
-    return {"max_batch": max_batch, **median, "pairs": runs}
+    return {**median, "pairs": runs}
 
 
 def _pair(solo: dict, together: dict) -> dict:
@@ -162,20 +172,27 @@ def _pair(solo: dict, together: dict) -> dict:
 
 
 def table(result: dict) -> str:
+    """Markdown: every replay of our server, then of each llama-server peer, and the ratios between them."""
     rows = [
-        "| pair | clients | requests | completed | 429 | aggregate tok/s | per-request tok/s | TTFT p50 s | TTFT p95 s "
-        "| client CPU s / wall s |",
-        "|" + "---|" * 10,
+        "| server | pair | clients | requests | completed | 429 | aggregate tok/s | per-request tok/s | TTFT p50 s "
+        "| TTFT p95 s | client CPU s / wall s | identical to one client |",
+        "|" + "---|" * 12,
     ]
-    for i, pair in enumerate(result["pairs"], 1):
-        for key in ("one_client", "concurrent"):
-            r = pair[key]
-            rows.append(
-                f"| {i} | {r['clients']} | {r['requests']} | {r['completed']} | {r['rejected_429']} "
-                f"| {r['aggregate_tokens_per_s']:.2f} | {r['per_request_tokens_per_s'] or 0:.2f} "
-                f"| {r['ttft_p50_s'] or 0:.2f} | {r['ttft_p95_s'] or 0:.2f} "
-                f"| {r['client_cpu_s']:.2f} / {r['wall_s']:.2f} |"
-            )
+    servers = {f"swiftdecode {result['method']}": result, **result.get("peers", {})}
+    for name, res in servers.items():
+        if "error" in res:
+            rows.append(f"| {name} | failed: {res['error'][:200]} |")
+            continue
+        for i, pair in enumerate(res["pairs"], 1):
+            for key in ("one_client", "concurrent"):
+                r = pair[key]
+                same = f"{pair['identical_to_one_client']}/{r['requests']}" if key == "concurrent" else ""
+                rows.append(
+                    f"| {name} | {i} | {r['clients']} | {r['requests']} | {r['completed']} | {r['rejected_429']} "
+                    f"| {r['aggregate_tokens_per_s']:.2f} | {r['per_request_tokens_per_s'] or 0:.2f} "
+                    f"| {r['ttft_p50_s'] or 0:.2f} | {r['ttft_p95_s'] or 0:.2f} "
+                    f"| {r['client_cpu_s']:.2f} / {r['wall_s']:.2f} | {same} |"
+                )
     speedups = ", ".join(f"{p['speedup']:.2f}x" for p in result["pairs"])
     same = sum(p["identical_to_one_client"] for p in result["pairs"])
     total = sum(p["concurrent"]["requests"] for p in result["pairs"])
@@ -184,4 +201,14 @@ def table(result: dict) -> str:
         f"{len(result['pairs'])} alternated pairs: {speedups}); {same}/{total} concurrent answers identical to "
         "the one-client answers."
     )
+    for name, res in result.get("peers", {}).items():
+        if "error" not in res:
+            ours, theirs = (r["concurrent"]["aggregate_tokens_per_s"] for r in (result, res))
+            ours_1, theirs_1 = (r["one_client"]["aggregate_tokens_per_s"] for r in (result, res))
+            rows.append(
+                f"{name}: aggregate {theirs:.2f} tok/s with {res['concurrent']['clients']} clients (ours "
+                f"{ours / theirs:.2f}x), one client {ours_1 / theirs_1:.2f}x (ours / theirs), its own speedup "
+                f"{res['speedup']:.2f}x, {res['identical_to_one_client']}/{res['concurrent']['requests']} answers "
+                "identical to its one-client answers (median pair)."
+            )
     return "\n".join(rows)

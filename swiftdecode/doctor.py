@@ -3,6 +3,9 @@
 Speculative decoding pays only if verifying k tokens in one forward costs about one token's forward. This
 times full-model forwards of k = 1, 2, 4, 8, 16 new tokens after a prompt of --context tokens, on torch's
 own path and on the fast path side by side (interleaved repeats, medians), next to a memory copy bandwidth.
+On quantized weights it also draws the roofline: each k's time against max(weight bytes / bandwidth, the weight
+products' multiply-accumulates / the measured peak of the instruction the kernel uses), so anyone can see how far
+each k is from the machine's limit (attention and the float work between products are left out of the bound).
 """
 
 from __future__ import annotations
@@ -90,6 +93,38 @@ def weight_format(model) -> str:
     return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
+INSTRUCTION = {"avx512": "vpdpbusd zmm", "avx2": "vpmaddubsw ymm"}  # what csrc/roofline.cpp times per build
+
+
+def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
+    """The bound of each k-row forward on quantized weights (None on float weights): memory ms (every weight
+    byte once at the copy bandwidth), compute ms (k rows x the weight products' MACs at the instruction's peak),
+    their max, and the forward's time over it."""
+    import torch
+
+    from swiftdecode.kernels.modules import QuantLinear
+
+    lins = {id(m.qweight): m for m in model.modules() if isinstance(m, QuantLinear)}
+    if not lins:
+        return None
+    kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
+    peak = kernel.peak_macs(threads)
+    macs = sum(m.qweight.n * m.qweight.k for m in lins.values())
+    memory_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
+    compute_ms = {k: k * macs / peak * 1e3 for k in KS}
+    bound = {k: max(memory_ms, compute_ms[k]) for k in KS}
+    return {
+        "instruction": f"{INSTRUCTION[kernel.isa]} ({kernel.isa} build)",
+        "peak_gmacs": peak / 1e9,
+        "threads": threads,
+        "macs_per_row": macs,
+        "memory_ms": memory_ms,
+        "compute_ms": compute_ms,
+        "bound_ms": bound,
+        "over_bound": {k: forward_ms[k] / bound[k] for k in KS},
+    }
+
+
 def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict[int, float]]]:
     """Median wall and calling-thread CPU ms of the engine's k-token forward (a verification: k causal rows and
     their full-vocabulary logits) after `context` tokens, per fast-path mode ({path: {"wall": {k: ms}, "cpu":
@@ -150,7 +185,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         }
         for p in paths
     }
-    used = per_path[info.path]
+    used, bandwidth = per_path[info.path], copy_bandwidth_gbs()
     return {
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
@@ -165,9 +200,10 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],
-        "bandwidth_gbs": copy_bandwidth_gbs(),
+        "bandwidth_gbs": bandwidth,
         "effective_gbs": used["effective_gbs"][1],
         "paths": per_path,
+        "roofline": roofline(model, used["forward_ms"], nbytes, bandwidth) if info.path != "torch" else None,
     }
 
 
@@ -201,6 +237,17 @@ def format_report(d: dict) -> str:
     if len(d["paths"]) == 2:
         t, f = d["paths"]["torch"]["forward_ms"], d["forward_ms"]
         lines.append(f"{'speedup':<16}" + "".join(f"{t[k] / f[k]:15.2f}x" for k in KS))
+    if r := d.get("roofline"):
+        lines += [
+            "",
+            f"roofline:   {r['peak_gmacs']:.0f} GMAC/s peak of {r['instruction']}, {r['threads']} threads; "
+            f"{r['macs_per_row'] / 1e6:.0f} M MACs a row in the weight products",
+            f"{'compute bound':<16}" + "".join(f"{r['compute_ms'][k]:8.1f}ms{'':6}" for k in KS),
+            f"{'bound':<16}"
+            + "".join(f"{r['bound_ms'][k]:8.1f}ms{'':6}" for k in KS)
+            + f"   (memory: {r['memory_ms']:.1f} ms)",
+            f"{'forward / bound':<16}" + "".join(f"{r['over_bound'][k]:15.2f}x" for k in KS),
+        ]
     if d["threads"] == 1:
         lines += ["", "CPU time of the forward (1 thread: its own work, whatever else runs on the machine)"]
         for name, p in d["paths"].items():

@@ -25,9 +25,8 @@ _PERF = re.compile(r"(prompt eval|eval) time =\s*([\d.]+) ms")
 _LOOKUP = re.compile(r"(encoded|decoded)\s+\d+ tokens in\s+([\d.]+) seconds")
 
 
-def find_binary(method: str) -> Path | None:
-    """The llama.cpp executable of `method`, or None."""
-    name = BINARIES[method]
+def find_binary(name: str) -> Path | None:
+    """The llama.cpp executable `name` (e.g. BINARIES[method], "llama-server"), or None."""
     folders = [os.environ.get("SWIFTDECODE_LLAMA_CPP")]
     folders += [str(p) for p in sorted(Path.home().glob(".cache/llama-cpp-peer/*/vendor/llama.cpp/build/bin"))]
     for folder in filter(None, folders):
@@ -51,6 +50,8 @@ def run_peer(
         if method == "llama.cpp":
             cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
         proc = subprocess.run(cmd, capture_output=True, timeout=600)  # bytes: a token may split a character
+        if proc.returncode < 0:  # killed by a signal: see llama_server.REPACK_CRASH
+            proc = subprocess.run([*cmd, "--no-repack"], capture_output=True, timeout=600)
     finally:
         os.unlink(f.name)
     text, err = (out.decode("utf-8", errors="replace") for out in (proc.stdout, proc.stderr))

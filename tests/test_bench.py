@@ -292,3 +292,126 @@ def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
     bad = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "ar,swift", "--concurrency", "2"]
     assert main(bad) == 2
     assert main([*bad[:5], "--methods", "swift", "--concurrency", "2", "--pairs", "0"]) == 2
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+# A stand-in for llama-server: /health, /completion (token ids back, its own timings), streamed /v1/completions.
+import json, os, signal, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+if os.environ.get("FAKE_CRASH") and "--no-repack" not in sys.argv:  # as on a CPU that reports AMX it cannot run
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+open({args_file!r}, "a").write(" ".join(sys.argv[1:]) + "\\n")
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def reply(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({{"status": "ok"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/completion":
+            assert body["cache_prompt"] is False and body["temperature"] == 0
+            toks = [100 + (len(body["prompt"]) + i) % 50 for i in range(body["n_predict"])]  # no EOS among them
+            return self.reply({{"tokens": toks, "timings": {{"prompt_ms": 100.0, "predicted_ms": 400.0}}}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for t in body["prompt"][-body["max_tokens"]:]:
+            self.wfile.write(("data: " + json.dumps({{"choices": [{{"text": str(t)}}]}}) + "\\n\\n").encode())
+        usage = {{"completion_tokens": min(body["max_tokens"], len(body["prompt"]))}}
+        last = "data: " + json.dumps({{"choices": [], "usage": usage}}) + "\\n\\ndata: [DONE]\\n\\n"
+        self.wfile.write(last.encode())
+
+
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def fake_llama_server(tmp_path, monkeypatch) -> Path:
+    """A fake llama-server on SWIFTDECODE_LLAMA_CPP; returns the file where it writes its command lines."""
+    import sys
+
+    args_file = tmp_path / "server-args.txt"
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, args_file=str(args_file)))
+    fake.chmod(0o755)
+    monkeypatch.setenv("SWIFTDECODE_LLAMA_CPP", str(fake.parent))
+    return args_file
+
+
+def test_llama_server_peer_rows(tmp_path, monkeypatch):
+    """llama-server methods: one server per method (with its --spec-type), the prompt's token ids in, the
+    answer's ids out, timed by the server's own timings; the servers are stopped when the bench ends."""
+    args_file = fake_llama_server(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
+            "ar,llama-server,llama-server-ngram-mod", "--max-new-tokens", "8", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "llama-server", "llama-server-ngram-mod"]
+    lines = args_file.read_text().splitlines()
+    assert len(lines) == 2 and "--spec-type" not in lines[0] and "--spec-type ngram-mod" in lines[1]
+    for m in ("llama-server", "llama-server-ngram-mod"):
+        rows = [r for r in results["records"] if r["method"] == m]
+        assert [(r["wall_s"], r["prefill_s"], r["new_tokens"]) for r in rows] == [(pytest.approx(0.5), 0.1, 8)] * 2
+    ar = {r["prompt_id"]: r for r in results["records"] if r["method"] == "ar"}
+    peer = [r for r in results["records"] if r["method"] == "llama-server"]
+    assert all(r["token_ids"] != ar[r["prompt_id"]]["token_ids"] for r in peer)  # the fake's own answer came back
+    import subprocess
+
+    alive = subprocess.run(["pgrep", "-f", str(tmp_path / "bin")], capture_output=True, text=True).stdout
+    assert not alive.strip()  # no server left running
+
+
+def test_concurrency_mode_beside_llama_server(tmp_path, monkeypatch, capsys):
+    """--concurrency with a llama-server method: its server runs N slots and gets the same replays."""
+    args_file = fake_llama_server(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
+            "ngram,llama-server", "--max-new-tokens", "8", "--concurrency", "2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "concurrency.json").read_text())
+    peer = result["peers"]["llama-server"]
+    assert "-np 2" in args_file.read_text()
+    assert peer["concurrent"]["completed"] == peer["one_client"]["completed"] == 2
+    assert peer["identical_to_one_client"] == 2 and peer["concurrent"]["clients"] == 2
+    assert "llama-server: aggregate" in capsys.readouterr().out
+    assert main([*argv[:5], "--methods", "llama-server", "--concurrency", "2"]) == 2  # ours is the reference
+
+
+def test_llama_server_killed_at_start_is_retried_without_repacking(tmp_path, monkeypatch, capsys):
+    from swiftdecode.bench import llama_server
+
+    args_file = fake_llama_server(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_CRASH", "1")
+    with llama_server.LlamaServer(tmp_path / "bin" / "llama-server", tmp_path / "m.gguf", 2, "ngram-mod") as srv:
+        assert srv.repack is False and srv.complete([1, 2, 3], 4)[1:] == (0.5, 0.1)
+    assert "retrying with --no-repack" in capsys.readouterr().err
+    assert args_file.read_text().count("--no-repack") == 1  # the first start died before writing its line
+
+
+def test_a_method_failing_its_warm_up_is_left_out():
+    def broken(ids, seed):
+        raise RuntimeError("killed by a signal")
+
+    prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b")]
+    args = argparse.Namespace(warmup=1, seed=0)
+    records, failures = stream.run_stream({"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": broken}, prompts,
+                                          [[1], [2]], args, [[9]])  # fmt: skip
+    assert [r["method"] for r in records] == ["ar", "ar"]
+    assert [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "warm-up")]

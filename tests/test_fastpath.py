@@ -342,6 +342,26 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert d["layers"] == "native" and "native loop" in format_report(d)  # every projection of SmolLM2 is quantized
     assert "speedup" in format_report(d)
     assert d["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, keys + values, 3 heads of 64, fp16
+    r = d["roofline"]  # SmolLM2's weight products: 30 layers x (q, k, v, o, gate, up, down) + the tied head
+    assert r["macs_per_row"] == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576
+    assert r["peak_gmacs"] > 0 and r["memory_ms"] == pytest.approx(d["weight_mb"] / d["bandwidth_gbs"])
+    assert all(r["compute_ms"][k] == pytest.approx(k * r["compute_ms"][1]) for k in KS)
+    assert all(r["over_bound"][k] == pytest.approx(d["forward_ms"][k] / r["bound_ms"][k]) for k in KS)
+    assert "roofline:" in format_report(d) and kernel.isa in r["instruction"]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_peak_rate_scales_with_the_rounds(isa):
+    """The instruction's measured peak is a rate: twice the rounds take about twice the time (a loop the compiler
+    had folded away would not), so the rate holds."""
+    from swiftdecode.kernels.qgemm import load_qkernel
+
+    try:
+        q = load_qkernel(isa)
+    except KernelUnavailable as e:
+        pytest.skip(f"no {isa} build here: {e}")
+    a, b = q.peak_macs(1, reps=1 << 18), q.peak_macs(1, reps=1 << 19)
+    assert 1e9 < a and 0.5 < a / b < 2.0
 
 
 @pytest.mark.parametrize("name", ["smollm", "qwen", "gemma"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 from swiftdecode.bench import runners
+from swiftdecode.bench.llama_server import METHODS as SERVER_METHODS
 from swiftdecode.bench.methods import DEFAULT_METHODS, ENGINE_METHODS, METHODS, PEER_METHODS
 from swiftdecode.bench.report import failure_lines, overall_table, sources_table, write_outputs
 from swiftdecode.bench.stream import WARMUP_TEXTS, run_stream
@@ -96,8 +98,14 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
         raise UserError(
             f"{other} takes no grammar in this bench: --json-schema/--regex/--lark run our engine's methods"
         )
-    if args.concurrency and (len(methods) != 1 or methods[0] not in ENGINE_METHODS):
-        raise UserError(f"--concurrency serves one engine method: --methods one of {', '.join(ENGINE_METHODS)}")
+    if args.concurrency and (
+        sum(m in ENGINE_METHODS for m in methods) != 1
+        or not all(m in ENGINE_METHODS or m in SERVER_METHODS for m in methods)
+    ):
+        raise UserError(
+            f"--concurrency serves one engine method ({', '.join(ENGINE_METHODS)}), beside any of the "
+            f"llama-server peers ({', '.join(SERVER_METHODS)})"
+        )
     categories = args.categories.split(",") if args.categories is not None else None
     prompts = load_prompts(args.data, categories, args.limit)
     out = Path(args.out)
@@ -116,13 +124,14 @@ def run(args: argparse.Namespace) -> int:
     chat = runners.use_chat(tok, args.chat)
     ids = [runners.encode(tok, p.text, chat) for p in prompts]
     if args.concurrency:
-        return run_concurrency(model, tok, methods[0], ids, args, out)
+        return run_concurrency(model, tok, methods, ids, args, out)
     switch = runners.PathSwitch(model, fast_path["path"], args)
-    peers = runners.peer_runners(methods, tok, eos_ids(model, tok), args)
-    methods = [m for m in methods if m not in PEER_METHODS or m in peers]
-    by_method = {m: peers[m] if m in peers else runners.make_runner(m, model, tok, args, switch) for m in methods}
-    warm_ids = [runners.encode(tok, text, chat) for text in WARMUP_TEXTS]
-    records, failures = run_stream(by_method, prompts, ids, args, warm_ids)
+    with ExitStack() as stack:  # the llama-server peers' processes, stopped however the run ends
+        peers = runners.peer_runners(methods, tok, eos_ids(model, tok), args, stack)
+        methods = [m for m in methods if m not in PEER_METHODS or m in peers]
+        by_method = {m: peers[m] if m in peers else runners.make_runner(m, model, tok, args, switch) for m in methods}
+        warm_ids = [runners.encode(tok, text, chat) for text in WARMUP_TEXTS]
+        records, failures = run_stream(by_method, prompts, ids, args, warm_ids)
     results = summarize(records, methods, args, env_info(fast_path), tok, chat, failures)
     write_outputs(results, out)
     if args.json:
@@ -137,13 +146,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_concurrency(model, tok, method: str, ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:
+def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:
+    """Our server with one engine method, then each llama-server peer asked for with `--concurrency` slots
+    (`-np N`), each replayed by one client and by N at once."""
     from swiftdecode import concurrency
     from swiftdecode.engine import Generator
 
+    method = next(m for m in methods if m in ENGINE_METHODS)
     gen = Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)  # as `serve` runs
     result = concurrency.run(gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, args.pairs)
     result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
+    peers = [m for m in methods if m in SERVER_METHODS]
+    result["peers"] = runners.server_replays(peers, ids, args) if peers else {}
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if args.json else concurrency.table(result))

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from swiftdecode.bench.llama_server import SPEC_TYPES
+
 METHODS = {
     "hf": "HF model.generate, the baseline",
     "ar": "our autoregressive loop on our forward path",
@@ -21,9 +23,14 @@ METHODS = {
     "draft-model": "HF assisted generation with --draft-model",
     "llama.cpp": "llama.cpp plain decoding on the same GGUF (peer; needs its binaries)",
     "llama.cpp-lookup": "llama.cpp n-gram lookup speculation on the same GGUF (peer; needs its binaries)",
+    "llama-server": "llama.cpp's server, plain decoding, on the same GGUF (peer; needs its binaries)",
+    **{
+        f"llama-server-{t}": f"llama.cpp's server with --spec-type {t} (draft-free speculation; peer)"
+        for t in SPEC_TYPES
+    },
 }
 ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform", "ngram", "skip-only")
-PEER_METHODS = ("llama.cpp", "llama.cpp-lookup")
+PEER_METHODS = tuple(m for m in METHODS if m.startswith("llama"))
 DEFAULT_METHODS = "hf,ar,swift,ngram,skip-only,swift-paper,uniform,pld,early-exit"
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import ExitStack
 
+from swiftdecode.bench import llama_server
 from swiftdecode.bench.hf import hf_runner
 from swiftdecode.bench.methods import (
     ENGINE_METHODS,
@@ -63,8 +65,11 @@ def encode(tok, text: str, chat: bool) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespace) -> dict[str, Runner]:
-    """Runners of the llama.cpp methods asked for whose binaries exist; says on stderr why any is left out."""
+def peer_runners(
+    methods: list[str], tok, eos: set[int], args: argparse.Namespace, stack: ExitStack
+) -> dict[str, Runner]:
+    """Runners of the llama.cpp methods asked for whose binaries exist; says on stderr why any is left out. A
+    llama-server method starts its server at its first call and `stack` stops it."""
     import torch
 
     from swiftdecode import peers
@@ -79,9 +84,12 @@ def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespac
         return {}
     threads, out = args.threads or torch.get_num_threads(), {}
     for m in wanted:
-        binary = peers.find_binary(m)
+        binary = peers.find_binary(llama_server.BINARY if m in llama_server.METHODS else peers.BINARIES[m])
         if binary is None:
             print(f"swiftdecode: skipping {m}: {peers.HOW_TO}", file=sys.stderr)
+            continue
+        if m in llama_server.METHODS:
+            out[m] = server_runner(binary, files[0], threads, llama_server.METHODS[m], eos, args, stack)
             continue
 
         def call(ids: list[int], seed: int, m=m, binary=binary) -> Outcome:
@@ -91,6 +99,50 @@ def peer_runners(methods: list[str], tok, eos: set[int], args: argparse.Namespac
             return Outcome(cut_at_eos(new, eos), seconds, prompt_s)
 
         out[m] = call
+    return out
+
+
+def server_runner(binary, gguf, threads: int, spec_type: str | None, eos: set[int], args, stack: ExitStack) -> Runner:
+    """A llama-server method: the prompt's token ids in, the answer's ids out (no re-tokenizing)."""
+    servers: list[llama_server.LlamaServer] = []
+
+    def call(ids: list[int], seed: int) -> Outcome:
+        if not servers:
+            servers.append(stack.enter_context(llama_server.LlamaServer(binary, gguf, threads, spec_type)))
+        new, seconds, prompt_s = servers[0].complete(ids, args.max_new_tokens)
+        return Outcome(cut_at_eos(new, eos), seconds, prompt_s)
+
+    return call
+
+
+def server_replays(methods: list[str], ids: list[list[int]], args: argparse.Namespace) -> dict[str, dict]:
+    """--concurrency for llama-server peers: each method's server with --concurrency slots, replayed by one
+    client and by N (concurrency.replay_pairs), {method: result}; a method whose binary or GGUF is missing is
+    left out with a word on stderr, one whose server fails is recorded as failed."""
+    import torch
+
+    from swiftdecode import concurrency, peers
+    from swiftdecode.hub import locate_gguf
+
+    files, binary = (
+        locate_gguf(args.model, cache_dir=args.cache_dir, progress=False),
+        peers.find_binary(llama_server.BINARY),
+    )
+    if files is None or binary is None:
+        why = "the model has no GGUF file" if files is None else peers.HOW_TO
+        print(f"swiftdecode: skipping {', '.join(methods)}: {why}", file=sys.stderr)
+        return {}
+    threads, out = args.threads or torch.get_num_threads(), {}
+    for m in methods:
+        try:
+            with llama_server.LlamaServer(binary, files[0], threads, llama_server.METHODS[m], args.concurrency) as srv:
+                try:
+                    out[m] = concurrency.replay_pairs(srv.url, ids, args.max_new_tokens, args.concurrency, args.pairs)
+                except Exception as e:  # a peer's failure costs its row: its server's last words say why
+                    raise RuntimeError(f"{type(e).__name__}: {e} (llama-server's log ends: {srv.log_tail()})") from e
+        except (RuntimeError, OSError) as e:
+            print(f"swiftdecode bench: {m} failed: {e}", file=sys.stderr)
+            out[m] = {"error": str(e)}
     return out
 
 

@@ -19,18 +19,25 @@ def run_stream(
 ) -> tuple[list[dict], list[dict]]:
     """Warm up on `warm_ids` (not timed prompts), then time every method on every prompt, rotating the method
     order per prompt: (records, failures). A method that raises on a prompt costs that row, not the run: the
-    failure (index, prompt_id, method, error) is kept instead of a record."""
+    failure (index, prompt_id, method, error) is kept instead of a record; one that raises in the warm-up is left
+    out of the timed run (its failure's prompt_id: "warm-up")."""
     from tqdm import tqdm
 
-    names = list(runners)
+    names, failures = list(runners), []
     with tqdm(total=args.warmup * len(names), desc="warm-up", file=sys.stderr, leave=False) as bar:
         for w in range(args.warmup):
-            for m in names:
+            for m in list(names):
                 bar.set_postfix_str(m)
-                runners[m](warm_ids[w % len(warm_ids)], args.seed - 1 - w)
+                try:
+                    runners[m](warm_ids[w % len(warm_ids)], args.seed - 1 - w)
+                except Exception as e:  # a method that cannot run at all is left out of the timed run
+                    names.remove(m)
+                    failures.append(
+                        {"index": -1, "prompt_id": "warm-up", "method": m, "error": f"{type(e).__name__}: {e}"}
+                    )
+                    bar.write(f"swiftdecode bench: {m} failed in the warm-up, left out: {failures[-1]['error'][:300]}")
                 bar.update()
     records: list[dict] = []
-    failures: list[dict] = []
     focus = next((m for m in ("swift", *names) if m in names and m != "hf"), names[0])
     with tqdm(total=len(prompts) * len(names), desc="bench", file=sys.stderr, dynamic_ncols=True) as bar:
         for i, (p, x) in enumerate(zip(prompts, ids, strict=True)):

@@ -1,5 +1,6 @@
 """ctypes binding of csrc/qgemm.cpp: products with block-quantized weights, and their rows as floats (the same
-library holds csrc/decoder.cpp's layer loop, bound in kernels/decoder.py).
+library holds csrc/decoder.cpp's layer loop, bound in kernels/decoder.py, and csrc/roofline.cpp's peak rate of
+the product's multiply-accumulate instruction).
 
 One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + VNNI) or `avx2` (AVX2 + FMA +
 F16C). Both return bit-identical results (integer dot products, one fixed float sequence per output; see the
@@ -16,7 +17,7 @@ import torch
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "decoder.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "decoder.cpp", "roofline.cpp")]
 ISA_FLAGS = {
     "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -26,6 +27,7 @@ ISA_CPU_FLAGS = {
     "avx2": {"avx2", "fma", "f16c"},
 }
 MAX_WEIGHTS = 8  # csrc MAX_WEIGHTS: weights one linear_many call takes
+PEAK_REPS = 1 << 21  # rounds of 12 instructions per thread: ~10-20 ms a timing at 1-2 a cycle, past clock ramp-up
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -77,6 +79,8 @@ class QKernel:
         self._deq.argtypes = [ctypes.POINTER(_Desc), _P, _I, _P]
         for f in (self._linear, self._deq):
             f.restype = None
+        self._peak = getattr(self.lib, f"sd_peak_macs_{isa}")
+        self._peak.argtypes, self._peak.restype = [_I, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_I)], ctypes.c_double
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N] fp32 (+ bias [N] fp32): row i depends on x's row i only, bit for bit."""
@@ -99,6 +103,12 @@ class QKernel:
             plan.outs[i] = y.data_ptr()
         self._linear(plan.descs, plan.biases, plan.outs, len(ys), x2.data_ptr(), x2.shape[0], torch.get_num_threads())
         return ys
+
+    def peak_macs(self, threads: int, reps: int = PEAK_REPS, tries: int = 5) -> float:
+        """Multiply-accumulates per second that `threads` threads reach with the product's integer dot-product
+        instruction alone (vpdpbusd zmm on avx512, vpmaddubsw ymm on avx2), best of `tries`."""
+        sink = _I(0)
+        return self._peak(reps, threads, tries, ctypes.byref(sink))
 
     def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` [...] as fp32 [..., K], exactly as GGUF's reference dequantization gives them."""

@@ -74,6 +74,18 @@ def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
     return True
 
 
+def deliver(job: Job, event, metrics: Metrics) -> None:
+    """Stream one of a running request's events to its job; the first text and the final result are metered."""
+    if event.text and not job.answered:
+        job.answered = True
+        metrics.observe(metrics.first_token, time.perf_counter() - job.submitted)
+    job.streamed += len(event.token_ids)
+    job.emit(event)
+    if event.result is not None:
+        job.streamed = len(event.result.token_ids)
+        metrics.record(event.result.prompt_tokens, event.result.stats.to_dict())
+
+
 def timeout_error(timeout_s: float) -> ApiError:
     return ApiError(504, f"generation exceeded the server's request timeout ({timeout_s:g} s)", None, "timeout")
 
@@ -339,16 +351,8 @@ class Running:
         return bool(self.jobs) and not self.batch.joining and self.waiting >= set(self.batch.active)
 
     def _deliver(self, req, event) -> None:
-        job = self.jobs[req]
         if event is not None:
-            if event.text and not job.answered:
-                job.answered = True
-                self.metrics.observe(self.metrics.first_token, time.perf_counter() - job.submitted)
-            job.streamed += len(event.token_ids)
-            job.emit(event)
-            if event.result is not None:
-                job.streamed = len(event.result.token_ids)
-                self.metrics.record(event.result.prompt_tokens, event.result.stats.to_dict())
+            deliver(self.jobs[req], event, self.metrics)
         if req.done:
             self.finish(req, req.finish)
 
