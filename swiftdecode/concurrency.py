@@ -1,13 +1,15 @@
 """`swiftdecode bench --concurrency N`: the prompts replayed through our OpenAI-compatible server by N clients at
-once, against one client at a time, on the same server (same model, method and batching settings).
+once, against one client at a time, on the same server (same model, method and batching settings); the same
+replay runs against any llama-server peer asked for (bench/llama_server.py, N parallel slots).
 
 Each client streams `/v1/completions` with the prompt's token ids (chat template applied once, as in the bench),
-greedy, each request on a new local connection (llama-server closes a streamed answer's connection unannounced),
-and records time to first token (first streamed text), wall time and completion tokens. Reported per mode:
-aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first token, mean per-request tokens/s, HTTP 429s, the
-CPU seconds the clients used, and whether every answer equals the one-client answer to the same prompt. The
-clients run in a process of their own, as a server's clients are other programs: they share the machine's cores
-with the server (their CPU time says how much), not its interpreter lock.
+greedy, each request on a new local connection (llama-server closes a streamed answer's connection
+unannounced), and records time to first token (first streamed text), wall time and completion tokens. Reported
+per mode: aggregate tokens/s (all completion tokens / wall time of the whole replay), p50/p95 time to first
+token, mean per-request tokens/s, HTTP 429s, the CPU seconds the clients used, and whether every answer equals
+the one-client answer to the same prompt. The clients run in a process of their own, as a server's clients are
+other programs: they share the machine's cores with the server (their CPU time says how much), not its
+interpreter lock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -138,22 +140,22 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
         return {"max_batch": max_batch, **replay_pairs(url, ids, max_tokens, clients, pairs, gen.prefixes.clear)}
 
 
-def replay_pairs(url: str, ids: list[list[int]], max_tokens: int, clients: int, pairs: int, clear=None) -> dict:
+def replay_pairs(
+    url: str, ids: list[list[int]], max_tokens: int, clients: int, pairs: int, clear: Callable[[], None] = lambda: None
+) -> dict:
     """One client, then `clients` at once, through the OpenAI-compatible server at `url`, `pairs` times
     alternated (a machine's speed drifts: each pair's ratio compares neighbours); answers compared prompt by
-    prompt within each pair; `clear()` (if given) runs before each replay. The top-level replays and speedup are
-    the pair of median speedup."""
+    prompt within each pair; `clear()` runs before each replay (the server is idle then). The top-level replays
+    and speedup are the pair of median speedup."""
     runs = []
     with multiprocessing.get_context("spawn").Pool(1) as client:
         client.apply(ask, (url, ids[0], 8))  # warm-up
-        for _ in range(pairs):  # the server is idle between replays
-            if clear:
+        for _ in range(pairs):
+            replays = []
+            for n in (1, clients):
                 clear()
-            solo = client.apply(replay, (url, ids, max_tokens, 1))
-            if clear:
-                clear()
-            together = client.apply(replay, (url, ids, max_tokens, clients))
-            runs.append(_pair(solo, together))
+                replays.append(client.apply(replay, (url, ids, max_tokens, n)))
+            runs.append(_pair(*replays))
     median = sorted(runs, key=lambda r: r["speedup"])[(len(runs) - 1) // 2]
     return {**median, "pairs": runs}
 

@@ -21,6 +21,11 @@ HOW_TO = (
     "llama.cpp binaries not found: build them with ../shared/tools/llama-cpp-peer.sh (or pip download the "
     "llama-cpp-python==0.3.36 sdist and build vendor/llama.cpp) and set SWIFTDECODE_LLAMA_CPP to their folder"
 )
+CONTEXT = 4096  # tokens of context a llama.cpp peer gets (per slot on llama-server): room for any bench prompt
+# On a 2-vCPU Intel Xeon (Emerald Rapids) whose hypervisor reports AMX but does not enable its tile state,
+# llama.cpp's repacked weights go to ggml's AMX kernel, whose first `ldtilecfg` kills the process (SIGSEGV).
+# A peer killed by a signal is run once more with its weights as they are in the file.
+NO_REPACK = "--no-repack"
 _PERF = re.compile(r"(prompt eval|eval) time =\s*([\d.]+) ms")
 _LOOKUP = re.compile(r"(encoded|decoded)\s+\d+ tokens in\s+([\d.]+) seconds")
 
@@ -46,12 +51,12 @@ def run_peer(
         f.write(prompt)
     try:
         cmd = [str(binary), "-m", str(gguf), "-bf", f.name, "-n", str(max_new_tokens), "--temp", "0"]
-        cmd += ["-t", str(threads), "-c", "4096"]
+        cmd += ["-t", str(threads), "-c", str(CONTEXT)]
         if method == "llama.cpp":
             cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
         proc = subprocess.run(cmd, capture_output=True, timeout=600)  # bytes: a token may split a character
-        if proc.returncode < 0:  # killed by a signal: see llama_server.REPACK_CRASH
-            proc = subprocess.run([*cmd, "--no-repack"], capture_output=True, timeout=600)
+        if proc.returncode < 0:  # killed by a signal: see NO_REPACK
+            proc = subprocess.run([*cmd, NO_REPACK], capture_output=True, timeout=600)
     finally:
         os.unlink(f.name)
     text, err = (out.decode("utf-8", errors="replace") for out in (proc.stdout, proc.stderr))

@@ -22,6 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from swiftdecode.peers import CONTEXT, NO_REPACK
+
 SPEC_TYPES = (
     "ngram-mod",
     "ngram-map-k",
@@ -31,14 +33,8 @@ SPEC_TYPES = (
 )  # llama-server's draft-free drafters
 METHODS = {"llama-server": None, **{f"llama-server-{t}": t for t in SPEC_TYPES}}  # method -> its --spec-type
 BINARY = "llama-server"
-CONTEXT = 4096  # tokens per slot, as the llama.cpp command-line peers run (`-c 4096`)
 STARTUP_S = 120  # loading a 1.5B GGUF and warming up takes ~5-20 s on 2 cores
 REQUEST_TIMEOUT_S = 600
-# On a 2-vCPU Intel Xeon (Emerald Rapids) whose hypervisor reports AMX but does not enable its tile state, the
-# server's repacked weights go to ggml's AMX kernel, whose first `ldtilecfg` kills it (SIGSEGV) in its warm-up.
-REPACK_CRASH = (
-    "llama-server was killed at start (a CPU that reports AMX without enabling it crashes its repacked kernels)"
-)
 
 
 def free_port() -> int:
@@ -58,23 +54,21 @@ class LlamaServer:
         if spec_type is not None:
             cmd += ["--spec-type", spec_type]
         self.log = tempfile.NamedTemporaryFile(prefix="swiftdecode-llama-server-", suffix=".log", delete=False)
-        self.repack = True  # whether its weights are repacked for its fastest kernels (llama.cpp's default)
+        self.repack, self.proc = True, None  # repack: its weights repacked for its fastest kernels (the default)
         try:
-            self.proc = self._start(cmd)
-            if self.proc is None:  # killed by a signal while warming up: see REPACK_CRASH
-                print(f"swiftdecode bench: {REPACK_CRASH}; retrying with --no-repack", file=sys.stderr)
-                self.repack, self.proc = False, self._start([*cmd, "--no-repack"])
-            if self.proc is None:
-                raise RuntimeError(f"llama-server was killed by a signal at start: {self.log_tail()}")
+            if not self._start(cmd):  # killed by a signal while warming up: see peers.NO_REPACK
+                print("swiftdecode bench: llama-server was killed at start; retrying with --no-repack", file=sys.stderr)
+                self.repack = False
+                if not self._start([*cmd, NO_REPACK]):
+                    raise RuntimeError(f"llama-server was killed by a signal at start: {self.log_tail()}")
         except BaseException:
             self.close()
             raise
 
-    def _start(self, cmd: list[str]) -> subprocess.Popen | None:
-        """The server process once it answers /health; None if a signal killed it on the way."""
-        proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.proc = proc
-        return proc if self._wait_ready() else None
+    def _start(self, cmd: list[str]) -> bool:
+        """Start the server process; True once it answers /health, False if a signal killed it on the way."""
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self._wait_ready()
 
     def _wait_ready(self) -> bool:
         """True once /health answers 200; False if a signal killed the process."""
@@ -115,7 +109,7 @@ class LlamaServer:
         return list(out["tokens"]), (t["prompt_ms"] + t["predicted_ms"]) / 1e3, t["prompt_ms"] / 1e3
 
     def close(self) -> None:
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)

@@ -70,36 +70,47 @@ def peer_runners(
 ) -> dict[str, Runner]:
     """Runners of the llama.cpp methods asked for whose binaries exist; says on stderr why any is left out. A
     llama-server method starts its server at its first call and `stack` stops it."""
-    import torch
-
     from swiftdecode import peers
-    from swiftdecode.hub import locate_gguf
 
     wanted = [m for m in methods if m in PEER_METHODS]
-    if not wanted:
+    if not wanted or (gguf := peer_gguf(wanted, args)) is None:
         return {}
-    files = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
-    if files is None:
-        print(f"swiftdecode: skipping {', '.join(wanted)}: the model has no GGUF file", file=sys.stderr)
-        return {}
-    threads, out = args.threads or torch.get_num_threads(), {}
+    threads, out = peer_threads(args), {}
     for m in wanted:
         binary = peers.find_binary(llama_server.BINARY if m in llama_server.METHODS else peers.BINARIES[m])
         if binary is None:
             print(f"swiftdecode: skipping {m}: {peers.HOW_TO}", file=sys.stderr)
             continue
         if m in llama_server.METHODS:
-            out[m] = server_runner(binary, files[0], threads, llama_server.METHODS[m], eos, args, stack)
+            out[m] = server_runner(binary, gguf, threads, llama_server.METHODS[m], eos, args, stack)
             continue
 
         def call(ids: list[int], seed: int, m=m, binary=binary) -> Outcome:
             prompt = tok.decode(ids)
-            text, seconds, prompt_s = peers.run_peer(m, binary, files[0], prompt, args.max_new_tokens, threads)
+            text, seconds, prompt_s = peers.run_peer(m, binary, gguf, prompt, args.max_new_tokens, threads)
             new = tok(text, add_special_tokens=False).input_ids[: args.max_new_tokens]
             return Outcome(cut_at_eos(new, eos), seconds, prompt_s)
 
         out[m] = call
     return out
+
+
+def peer_gguf(methods: list[str], args: argparse.Namespace):
+    """The model's GGUF file, which the llama.cpp peers `methods` read, or None (said on stderr)."""
+    from swiftdecode.hub import locate_gguf
+
+    files = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
+    if files is None:
+        print(f"swiftdecode: skipping {', '.join(methods)}: the model has no GGUF file", file=sys.stderr)
+        return None
+    return files[0]
+
+
+def peer_threads(args: argparse.Namespace) -> int:
+    """The peers' threads: --threads, or as many as ours run."""
+    import torch
+
+    return args.threads or torch.get_num_threads()
 
 
 def server_runner(binary, gguf, threads: int, spec_type: str | None, eos: set[int], args, stack: ExitStack) -> Runner:
@@ -119,23 +130,17 @@ def server_replays(methods: list[str], ids: list[list[int]], args: argparse.Name
     """--concurrency for llama-server peers: each method's server with --concurrency slots, replayed by one
     client and by N (concurrency.replay_pairs), {method: result}; a method whose binary or GGUF is missing is
     left out with a word on stderr, one whose server fails is recorded as failed."""
-    import torch
-
     from swiftdecode import concurrency, peers
-    from swiftdecode.hub import locate_gguf
 
-    files, binary = (
-        locate_gguf(args.model, cache_dir=args.cache_dir, progress=False),
-        peers.find_binary(llama_server.BINARY),
-    )
-    if files is None or binary is None:
-        why = "the model has no GGUF file" if files is None else peers.HOW_TO
-        print(f"swiftdecode: skipping {', '.join(methods)}: {why}", file=sys.stderr)
+    if (gguf := peer_gguf(methods, args)) is None:
         return {}
-    threads, out = args.threads or torch.get_num_threads(), {}
+    if (binary := peers.find_binary(llama_server.BINARY)) is None:
+        print(f"swiftdecode: skipping {', '.join(methods)}: {peers.HOW_TO}", file=sys.stderr)
+        return {}
+    threads, out = peer_threads(args), {}
     for m in methods:
         try:
-            with llama_server.LlamaServer(binary, files[0], threads, llama_server.METHODS[m], args.concurrency) as srv:
+            with llama_server.LlamaServer(binary, gguf, threads, llama_server.METHODS[m], args.concurrency) as srv:
                 try:
                     out[m] = concurrency.replay_pairs(srv.url, ids, args.max_new_tokens, args.concurrency, args.pairs)
                 except Exception as e:  # a peer's failure costs its row: its server's last words say why
