@@ -137,25 +137,26 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
 
     app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
     with serving(app) as url:
-        return {"max_batch": max_batch, **replay_pairs(url, ids, max_tokens, clients, pairs, gen.prefixes.clear)}
+
+        def fresh() -> str:  # the server is idle between replays
+            gen.prefixes.clear()
+            return url
+
+        return {"max_batch": max_batch, **replay_pairs(url, fresh, ids, max_tokens, clients, pairs)}
 
 
-def replay_pairs(
-    url: str, ids: list[list[int]], max_tokens: int, clients: int, pairs: int, clear: Callable[[], None] = lambda: None
-) -> dict:
-    """One client, then `clients` at once, through the OpenAI-compatible server at `url`, `pairs` times
-    alternated (a machine's speed drifts: each pair's ratio compares neighbours); answers compared prompt by
-    prompt within each pair; `clear()` runs before each replay (the server is idle then). The top-level replays
-    and speedup are the pair of median speedup."""
+def replay_pairs(url: str, fresh: Callable[[], str], ids: list[list[int]], max_tokens: int, clients: int, pairs: int):
+    """One client, then `clients` at once, through the OpenAI-compatible server at `url` (warmed up with one
+    request first), `pairs` times alternated (a machine's speed drifts: each pair's ratio compares neighbours);
+    answers compared prompt by prompt within each pair. Before each replay `fresh()` clears what the server kept
+    from earlier replays and returns the URL to replay through. The top-level replays and speedup are the pair of
+    median speedup."""
     runs = []
     with multiprocessing.get_context("spawn").Pool(1) as client:
         client.apply(ask, (url, ids[0], 8))  # warm-up
         for _ in range(pairs):
-            replays = []
-            for n in (1, clients):
-                clear()
-                replays.append(client.apply(replay, (url, ids, max_tokens, n)))
-            runs.append(_pair(*replays))
+            solo, together = (client.apply(replay, (fresh(), ids, max_tokens, n)) for n in (1, clients))
+            runs.append(_pair(solo, together))
     median = sorted(runs, key=lambda r: r["speedup"])[(len(runs) - 1) // 2]
     return {**median, "pairs": runs}
 

@@ -387,7 +387,8 @@ def test_concurrency_mode_beside_llama_server(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     result = json.loads((out / "concurrency.json").read_text())
     peer = result["peers"]["llama-server"]
-    assert "-np 2" in args_file.read_text()
+    starts = args_file.read_text().splitlines()
+    assert len(starts) == 1 + 2 and all("-np 2" in line for line in starts)  # a fresh server for each replay
     assert peer["concurrent"]["completed"] == peer["one_client"]["completed"] == 2
     assert peer["identical_to_one_client"] == 2 and peer["concurrent"]["clients"] == 2
     assert "llama-server: aggregate" in capsys.readouterr().out

@@ -7,7 +7,8 @@ token ids (llama.cpp reads the vocabulary from the same GGUF, so it reads exactl
 `cache_prompt` off (every prompt read from scratch, as our bench does); the answer's token ids come back with it.
 Time is the server's own `timings` (prompt + generation ms), so HTTP and JSON are not counted against it. In
 `--concurrency N` mode the same server runs N parallel slots (`-np N`) and the replay goes through its
-OpenAI-compatible `/v1/completions`, as it does through ours.
+OpenAI-compatible `/v1/completions`, as it does through ours; each replay gets a fresh process (`restart`), as
+ours gets an empty prefix cache, so no replay reuses the prompts or n-gram pools of the one before it.
 """
 
 from __future__ import annotations
@@ -47,28 +48,37 @@ class LlamaServer:
     """A running `llama-server` on a free local port; `close()` (or the with-block's end) stops it."""
 
     def __init__(self, binary: Path, gguf: Path, threads: int, spec_type: str | None, parallel: int = 1):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "-np", str(parallel), "-c", str(CONTEXT * parallel), "--no-webui"]
+        self.args = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1"]
+        self.args += ["-np", str(parallel), "-c", str(CONTEXT * parallel), "--no-webui"]
         if spec_type is not None:
-            cmd += ["--spec-type", spec_type]
+            self.args += ["--spec-type", spec_type]
         self.log = tempfile.NamedTemporaryFile(prefix="swiftdecode-llama-server-", suffix=".log", delete=False)
         self.repack, self.proc = True, None  # repack: its weights repacked for its fastest kernels (the default)
         try:
-            if not self._start(cmd):  # killed by a signal while warming up: see peers.NO_REPACK
-                print("swiftdecode bench: llama-server was killed at start; retrying with --no-repack", file=sys.stderr)
-                self.repack = False
-                if not self._start([*cmd, NO_REPACK]):
-                    raise RuntimeError(f"llama-server was killed by a signal at start: {self.log_tail()}")
+            self._launch()
         except BaseException:
             self.close()
             raise
 
-    def _start(self, cmd: list[str]) -> bool:
-        """Start the server process; True once it answers /health, False if a signal killed it on the way."""
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return self._wait_ready()
+    def _launch(self) -> None:
+        """Start the server on a free port and wait until it answers; where a signal kills it on the way, once
+        more with --no-repack (see peers.NO_REPACK), and from then on."""
+        for repack in (True, False) if self.repack else (False,):
+            self.repack, port = repack, free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            cmd = [*self.args, "--port", str(port), *([] if repack else [NO_REPACK])]
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if self._wait_ready():
+                return
+            if repack:
+                print("swiftdecode bench: llama-server was killed at start; retrying with --no-repack", file=sys.stderr)
+        raise RuntimeError(f"llama-server was killed by a signal at start: {self.log_tail()}")
+
+    def restart(self) -> str:
+        """A fresh process (nothing kept from earlier requests: cached prompts, n-gram pools); its URL."""
+        self._stop()
+        self._launch()
+        return self.url
 
     def _wait_ready(self) -> bool:
         """True once /health answers 200; False if a signal killed the process."""
@@ -108,7 +118,7 @@ class LlamaServer:
         t = out["timings"]
         return list(out["tokens"]), (t["prompt_ms"] + t["predicted_ms"]) / 1e3, t["prompt_ms"] / 1e3
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -116,6 +126,9 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def close(self) -> None:
+        self._stop()
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
 

@@ -128,8 +128,8 @@ def server_runner(binary, gguf, threads: int, spec_type: str | None, eos: set[in
 
 def server_replays(methods: list[str], ids: list[list[int]], args: argparse.Namespace) -> dict[str, dict]:
     """--concurrency for llama-server peers: each method's server with --concurrency slots, replayed by one
-    client and by N (concurrency.replay_pairs), {method: result}; a method whose binary or GGUF is missing is
-    left out with a word on stderr, one whose server fails is recorded as failed."""
+    client and by N (concurrency.replay_pairs), a fresh process for each replay; {method: result}. A method whose
+    binary or GGUF is missing is left out with a word on stderr, one whose server fails is recorded as failed."""
     from swiftdecode import concurrency, peers
 
     if (gguf := peer_gguf(methods, args)) is None:
@@ -142,7 +142,9 @@ def server_replays(methods: list[str], ids: list[list[int]], args: argparse.Name
         try:
             with llama_server.LlamaServer(binary, gguf, threads, llama_server.METHODS[m], args.concurrency) as srv:
                 try:
-                    out[m] = concurrency.replay_pairs(srv.url, ids, args.max_new_tokens, args.concurrency, args.pairs)
+                    out[m] = concurrency.replay_pairs(
+                        srv.url, srv.restart, ids, args.max_new_tokens, args.concurrency, args.pairs
+                    )
                 except Exception as e:  # a peer's failure costs its row: its server's last words say why
                     raise RuntimeError(f"{type(e).__name__}: {e} (llama-server's log ends: {srv.log_tail()})") from e
         except (RuntimeError, OSError) as e:
