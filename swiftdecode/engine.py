@@ -25,6 +25,7 @@ from swiftdecode.sampling import Sampler
 from swiftdecode.scheduler import RoundScheduler
 from swiftdecode.skip import SkipSet
 from swiftdecode.text import Prompts, eos_ids
+from swiftdecode.tools import Tools, render
 from swiftdecode.tree import Tree
 from swiftdecode.tuning import SkipTuner
 from swiftdecode.verification import verify
@@ -62,9 +63,9 @@ class Generator:
         return self.tuner.skip if self.tuner else None
 
     # ---- public API -------------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
-        return self.prompts.chat_ids(messages)
+    def chat_ids(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        """Token ids of `messages` (and `tools`, see tools.render) in the chat template, ready for the answer."""
+        return self.prompts.chat_ids(*render(messages, tools, self.tokenizer))
 
     def generate(self, prompt: str | list[int], **params) -> GenerationResult:
         """Generate to completion; see `request` for the parameters."""
@@ -81,12 +82,12 @@ class Generator:
 
     def request(
         self, prompt: str | list[int], *, max_new_tokens: int = 128, seed: int | None = None, chat: bool = False,
-        logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | None = None,
+        logprobs: int | None = None, stop: list[str] | None = None, grammar: dict | Tools | None = None,
         cache_salt: str | None = None, **sampling,
     ) -> Request:  # fmt: skip
         """A validated request, not started (UserError on bad input). `sampling`: `params.check_params`'s keywords;
         `logprobs` (0-20; None: off): each token's log-probability and that many alternatives; `grammar`: the
-        answer's structure; `cache_salt`: the prefix cache shares entries only between requests of one salt."""
+        answer's structure (or `tools.Tools`); `cache_salt`: entries are shared only by requests of one salt."""
         params = check_params(max_new_tokens, stop=stop, logprobs=logprobs, vocab=self.sm.vocab_size, **sampling)
         constraint, ids = self.grammars.constraint(grammar), self.prompts.encode(prompt, chat)  # ids < the context
         sampler = Sampler(params, seed if seed is not None else secrets.randbits(63), ids, constraint, self.eos)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from swiftdecode.params import ParamError
+from swiftdecode.tools import Tools, lark, marker_token
 
 KINDS = ("json_schema", "regex", "lark")  # a grammar spec is {kind: value}, exactly one of these
 # One position's parse and mask may take this long at most, else the request ends (ParamError, HTTP 400): every
@@ -55,10 +56,11 @@ class Grammars:
         self.tokenizer, self.vocab, self.eos, self.lltok = tokenizer, vocab, sorted(eos), None
 
     def constraint(self, spec: object | None) -> Constraint | None:
-        """A new request's constraint, None without a spec (ParamError for one malformed or that does not compile)."""
+        """A new request's constraint, None without a spec (ParamError for one malformed or that does not compile).
+        `spec`: grammar_text's, or a request's `tools.Tools` (the answer: text or calls, see `tools`)."""
         if spec is None:
             return None
-        text = grammar_text(spec)
+        text = lark(spec, marker_token(self.tokenizer)) if isinstance(spec, Tools) else grammar_text(spec)
         if self.lltok is None:
             self.lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=self.eos)
         matcher = llguidance.LLMatcher(self.lltok, text, log_level=0)  # compiled once: an error is its state
@@ -90,6 +92,18 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self._check(time.perf_counter() - t0)
         return torch.from_numpy(np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].view(bool))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after the committed ones (llguidance's fast-forward tokens): a
+        branch worth verifying, which plain decoding nearly always takes (it may pick a shorter token of the same
+        bytes, so they are verified as any branch is)."""
+        if limit <= 0:
+            return []
+        self._rollback()
+        t0 = time.perf_counter()
+        tokens = self.matcher.compute_ff_tokens()[:limit]
+        self._check(time.perf_counter() - t0)
+        return tokens
 
     def commit(self, tokens: list[int]) -> None:
         """Tokens the generation took (after a round's verification)."""

@@ -20,6 +20,7 @@ from swiftdecode.request import Request
 KEEP = 0.99
 PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, proposed) each depth starts from: an even chance, overruled in a few rounds
 MAX_DEPTH = 16  # depths counted; deeper copied tokens share the last count
+FORCED = 99  # the acceptance table's key for the tokens a grammar forces (a tool call's frame), beside n-gram orders
 
 
 class CostLine:
@@ -85,12 +86,13 @@ class CopyPlanner:
         self.acceptance: dict[int, DepthAcceptance] = {}
 
     def plan(self, req: Request, rows: int, length: int, line: CostLine | None = None) -> tuple[list[int], int]:
-        """Score the request's pending copies its context now decides; then its n-gram continuation (at most
-        `length` tokens) and how many of them pay in a forward of `rows` rows ([], 0 without a match), by
-        `line` (default: this planner's, of one request's forwards)."""
-        ctx = req.ctx
+        """Score the request's pending copies its context now decides; then the tokens its grammar forces or else
+        its n-gram continuation (at most `length` tokens) and how many of them pay in a forward of `rows` rows
+        ([], 0 without either), by `line` (default: this planner's, of one request's forwards)."""
+        ctx, constraint = req.ctx, req.sampler.constraint
         self.resolve(ctx, req.copies)
-        copied, order = ngram_continuation(ctx, length)
+        forced = constraint.forced(length) if constraint is not None else []
+        copied, order = (forced, FORCED) if forced else ngram_continuation(ctx, length)
         if not order:
             return [], 0
         req.copies.append((len(ctx), copied, order))

@@ -3,6 +3,8 @@ the ids that end a generation. Stop strings and streaming are `request.Request`'
 
 from __future__ import annotations
 
+import json
+
 from swiftdecode.errors import UserError
 
 
@@ -32,25 +34,27 @@ class Prompts:
             self._token_chars = max(len(t) for t in tokens if t)
         return self.max_length * self._token_chars
 
-    def _check_chars(self, chars: int) -> None:
+    def check_chars(self, chars: int) -> None:
         if chars > self.max_chars:
             raise UserError(
                 f"prompt has {chars} characters, more tokens than the model's context ({self.max_length} tokens) holds"
             )
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` in the model's chat template, ready for the assistant's answer."""
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ready for the assistant's answer; `tools`: OpenAI's
+        function tools, for a template that takes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError("this model's tokenizer has no chat template")
-        self._check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        said = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        self.check_chars(said + len(json.dumps([tools, [m.get("tool_calls") for m in messages]])))
+        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
         """Token ids of a text prompt (as the user's chat message if `chat`) or of checked ids, leaving room in the
         context for at least one new token (else UserError)."""
         if isinstance(prompt, str):
-            self._check_chars(len(prompt))
+            self.check_chars(len(prompt))
         elif len(prompt) >= self.max_length:
             raise UserError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_length} tokens")
         ids = self._ids(prompt, chat)

@@ -198,9 +198,9 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.gen, name)
 
-    def chat_ids(self, messages):
+    def chat_ids(self, messages, tools=None):
         self.encoded += 1
-        return self.gen.chat_ids(messages)
+        return self.gen.chat_ids(messages, tools)
 
 
 def test_the_choices_of_a_request_encode_its_prompt_once(smollm):
@@ -425,7 +425,7 @@ def test_a_stopped_worker_makes_health_fail(gen):
 
 def test_log_probabilities_are_always_valid_json():
     from swiftdecode.logprobs import TokenLogprob
-    from swiftdecode.server.protocol import MIN_LOGPROB, logprobs_json
+    from swiftdecode.server.responses import MIN_LOGPROB, logprobs_json
 
     entries = [TokenLogprob(1, -math.inf, ((2, math.nan),)), TokenLogprob(2, math.nan, ())]
     for chat in (True, False):

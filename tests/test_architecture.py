@@ -13,10 +13,11 @@ MAX_MODULE, MAX_FUNCTION, MAX_CLASS = 400, 60, 150  # lines
 # layer of each module (dotted name below `swiftdecode`, or a package prefix); higher layers may import lower
 LAYERS = {
     "base": ["errors", "params", "config", "text"],
-    "hub": ["hub", "models"],
+    "hub": ["hub"],
     "kernels": ["kernels"],
     "runtime": ["cache", "prefix", "tree", "skip", "model", "lean", "fastpath", "quantized"],
     "decoding": [
+        "tools",
         "grammar",
         "sampling",
         "logprobs",

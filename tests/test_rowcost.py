@@ -65,7 +65,7 @@ def test_copies_are_scored_against_what_was_generated():
     """A copy is scored once its fate is known (a mismatch, or every token generated), verified or not."""
     planner = CopyPlanner()
     ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # ends with the 3-gram 1 2 3: the copy is 4 5 9 1 ...
-    req = SimpleNamespace(ctx=ctx, copies=[])  # what the planner reads of a Request
+    req = SimpleNamespace(ctx=ctx, copies=[], sampler=SimpleNamespace(constraint=None))  # what it reads of a Request
     copied, n = planner.plan(req, 1, 3)
     pending = req.copies
     assert copied == [4, 5, 9] and n == 3 and pending == [(9, [4, 5, 9], 3)]
@@ -75,7 +75,20 @@ def test_copies_are_scored_against_what_was_generated():
     assert pending == []
     acc = planner.acceptance[3]
     assert acc.accept(1) > 0.5 > acc.accept(2) and acc.accept(2) == acc.accept(3)
-    assert planner.plan(SimpleNamespace(ctx=[1, 2, 3, 4], copies=[]), 1, 3) == ([], 0)  # no repeat: no copy
+    fresh = SimpleNamespace(ctx=[1, 2, 3, 4], copies=[], sampler=SimpleNamespace(constraint=None))
+    assert planner.plan(fresh, 1, 3) == ([], 0)  # no repeat: no copy
+
+
+def test_tokens_a_grammar_forces_come_before_an_ngram_copy():
+    """With a grammar that forces tokens (a tool call's frame), they are the branch, scored under FORCED."""
+    from swiftdecode.rowcost import FORCED
+
+    forced = SimpleNamespace(forced=lambda limit: [7, 8, 9, 6][:limit])
+    req = SimpleNamespace(ctx=[1, 2, 3, 4, 5, 9, 1, 2, 3], copies=[], sampler=SimpleNamespace(constraint=forced))
+    planner = CopyPlanner()
+    assert planner.plan(req, 1, 3) == ([7, 8, 9], 3) and req.copies == [(9, [7, 8, 9], FORCED)]
+    planner.resolve(req.ctx + [7, 8, 9], req.copies)
+    assert planner.acceptance[FORCED].accept(3) > 0.5 and 3 not in planner.acceptance
 
 
 def test_ngram_continuation_matches_a_plain_scan():

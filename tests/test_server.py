@@ -154,7 +154,7 @@ def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
 
     from swiftdecode.logprobs import TokenLogprob
     from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
-    from swiftdecode.server.app import sse_chunks
+    from swiftdecode.server.streaming import sse_chunks
 
     texts = {1: "ab", 2: "c", 3: "de"}
     entries = [TokenLogprob(t, -0.5, ()) for t in texts]

@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from swiftdecode.errors import UserError
-from swiftdecode.server import protocol
+from swiftdecode.server import protocol, responses
 from swiftdecode.server.jobs import END, Job, Prompt
 from swiftdecode.server.metrics import Metrics
 from swiftdecode.server.protocol import ApiError
+from swiftdecode.server.streaming import Disconnected, first_events, last_result, next_event, sse_chunks
+from swiftdecode.server.tokens import Tokens
 from swiftdecode.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S, Worker
 
 if TYPE_CHECKING:
@@ -36,9 +38,16 @@ log = logging.getLogger(__name__)
 # in a thread but holds the interpreter lock, and 10 MiB of logit_bias entries took 1.0 s to parse.
 MIN_BODY, BODY_PER_TOKEN = 2**20, 32
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (else 408): a client trickling bytes holds a socket
-POLL_S = 0.25  # while waiting for a job's next event, how often to check that the client is still there
 CLIENT_GONE = 499  # nginx's status for a request the client abandoned (nobody is left to read it)
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+KNOWN_PATHS = {
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+}
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,24 @@ def create_app(
     app.get("/v1/models/{name:path}")(api.get_model)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    for path, call in (("/tokenize", api.tokens.tokenize), ("/detokenize", api.tokens.detokenize)):
+        app.post(path)(tokens_route(api, call))
     return app
+
+
+def tokens_route(api: "Api", call: Callable[[bytes], dict]) -> Callable:
+    """The handler of /tokenize or /detokenize (see `tokens`): `call` runs off the event loop; the engine's
+    UserError is a 400."""
+
+    async def route(request: Request) -> dict:
+        api.authorize(request)
+        raw = await api.read_body(request)
+        try:
+            return await asyncio.to_thread(call, raw)
+        except UserError as e:
+            raise ApiError(e.status, str(e)) from None
+
+    return route
 
 
 # ---------------------------------------------------------------- errors and status counting
@@ -125,10 +151,6 @@ class StatusCounter:
 # ---------------------------------------------------------------- routes
 
 
-class Disconnected(Exception):
-    """The client went away while we waited for its job."""
-
-
 class Api:
     """The route handlers over one Generator: its worker (started by `lifespan`), metrics and limits."""
 
@@ -138,6 +160,7 @@ class Api:
         self.worker: Worker | None = None
         self.created = int(time.time())
         self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.sm.max_length)
+        self.tokens = Tokens(gen.prompts)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -228,8 +251,8 @@ class Api:
         req = await asyncio.to_thread(protocol.parse_request, await self.read_body(request), chat, self.model_id)
         params, n, echo, stream, prompt = req.params, req.n, req.echo, req.stream, req.prompt
         params = params | {"cache_salt": json.dumps([key, req.salt])} if key is not None or req.salt else params
-        head, loop = protocol.response_head(chat, self.model_id), asyncio.get_running_loop()
-        shared = Prompt(prompt, chat)  # its choices' jobs encode it once
+        head, loop = responses.response_head(chat, self.model_id), asyncio.get_running_loop()
+        shared = Prompt(prompt, chat, req.tools)  # its choices' jobs encode it once
         choices = [Job(shared, protocol.choice_params(params, i), loop, echo=echo) for i in range(n)]
         jobs = [self.run_job(request, job) for job in choices]
         try:
@@ -238,7 +261,8 @@ class Api:
                 text_of = self.token_text if params["logprobs"] is not None else None
                 parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
                 said = self.echoed(prompt, choices[0]) if echo else None
-                sse = sse_chunks(protocol.chunk_head(head, chat), chat, req.include_usage, parts, text_of, said)
+                sse = sse_chunks(responses.chunk_head(head, chat), chat, req.include_usage, parts, text_of, said,
+                                 req.tools is not None)  # fmt: skip
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             ends = [last_result(f, events) for f, events in zip(firsts, jobs, strict=True)]
             results = await asyncio.gather(*ends, return_exceptions=True)
@@ -249,12 +273,11 @@ class Api:
         finally:
             if not stream:
                 await asyncio.gather(*(events.aclose() for events in jobs))
-        return protocol.completion(
-            head, chat, results, self.token_text, self.echoed(prompt, choices[0]) if echo else None
-        )
+        said = self.echoed(prompt, choices[0]) if echo else None
+        return responses.completion(head, chat, results, self.token_text, said, req.tools is not None)
 
     def echoed(self, prompt: str | list[int], job: Job) -> tuple:
-        """protocol.completion's `echo` of a scored job: the prompt's text, ids and entries."""
+        """responses.completion's `echo` of a scored job: the prompt's text, ids and entries."""
         text = prompt if isinstance(prompt, str) else self.gen.prompts.decode(prompt)
         return text, job.prompt.ids, job.prompt.logprobs
 
@@ -272,123 +295,3 @@ class Api:
                 yield item
         finally:
             self.worker.cancel(job)
-
-
-async def next_event(job: Job, request: Request) -> object:
-    """Next item of the job's channel; raises Disconnected if the client hangs up meanwhile."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.next(), timeout=POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise Disconnected from None
-
-
-async def first_events(jobs: list[AsyncIterator]) -> list[Any]:
-    """Each job's first event; if any job fails (a full queue, a bad parameter), all are closed (cancelled) and
-    its error raised."""
-    firsts = await asyncio.gather(*(anext(events) for events in jobs), return_exceptions=True)
-    if errors := [e for e in firsts if isinstance(e, BaseException)]:
-        await asyncio.gather(*(events.aclose() for events in jobs))
-        raise errors[0]
-    return firsts
-
-
-async def last_result(first: Any, events: AsyncIterator) -> Any:
-    """A job's GenerationResult, from its first event on."""
-    res = first.result
-    async for ev in events:
-        res = ev.result
-    return res
-
-
-async def sse_chunks(
-    head: dict, chat: bool, include_usage: bool, parts: list[tuple[Any, AsyncIterator]],
-    text_of: Callable[[int], str] | None = None, echo: tuple | None = None,
-) -> AsyncIterator[str]:  # fmt: skip
-    """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
-    the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
-    chunk carries the logprobs of the tokens the engine released up to it; `echo` as protocol.completion's."""
-    results: list = []
-    streams = [choice_chunks(head, chat, first, events, text_of, i, results, echo) for i, (first, events) in
-               enumerate(parts)]  # fmt: skip
-    try:
-        async for item in streams[0] if len(streams) == 1 else interleaved(streams):
-            yield item
-    except Disconnected:
-        return  # client gone: the jobs are cancelled by run_job
-    finally:
-        await asyncio.gather(*(stream.aclose() for stream in streams))
-    if include_usage and len(results) == len(parts):
-        yield protocol.sse({**head, "choices": [], "usage": protocol.usage(results)})
-    yield protocol.SSE_DONE
-
-
-async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
-    """The items of several async iterators as each comes; ends when all have."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[str]) -> None:
-        try:
-            async for item in stream:
-                await queue.put(item)
-            await queue.put(END)
-        except Exception as e:  # the consumer raises it (Disconnected: the client left)
-            await queue.put(e)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        for _ in streams:
-            while (item := await queue.get()) is not END:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def choice_chunks(
-    head: dict, chat: bool, first: Any, events: AsyncIterator, text_of, index: int, results: list,
-    echo: tuple | None = None,
-) -> AsyncIterator[str]:  # fmt: skip
-    """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end. With
-    `echo` the first chunk holds the prompt (and its entries, the first token without a log-probability)."""
-    if chat:
-        yield protocol.chunk(head, chat, "", None, role=True, index=index)
-    ev, sent, pending = first, 0, []  # sent: characters of text that went out (the engine holds back stop strings)
-    before = [0]  # characters of the tokens whose entries went out: the next entry's text_offset
-    if echo is not None:
-        said, ids, entries = echo
-        lps = protocol.logprobs_json(entries, chat, text_of, 0, ids[0]) if text_of and entries is not None else None
-        yield protocol.chunk(head, chat, said, None, logprobs=lps, index=index)
-        before[0] = sum(len(text_of(t)) for t in ids) if text_of else 0
-
-    def logprobs() -> dict | None:
-        entries, pending[:] = list(pending), []
-        if not (text_of and entries):
-            return None
-        out = protocol.logprobs_json(entries, chat, text_of, before[0])
-        before[0] += sum(len(text_of(e.token)) for e in entries)
-        return out
-
-    try:
-        while ev.result is None:
-            pending += ev.logprobs
-            if ev.text:
-                yield protocol.chunk(head, chat, ev.text, None, logprobs=logprobs(), index=index)
-                sent += len(ev.text)
-            ev = await anext(events)
-        res = ev.result
-        pending += ev.logprobs
-        if len(res.text) > sent:
-            yield protocol.chunk(head, chat, res.text[sent:], None, logprobs=logprobs(), index=index)
-        yield protocol.chunk(head, chat, None, res.finish_reason, logprobs=logprobs(), index=index)
-        results.append(res)
-    except ApiError as e:
-        yield protocol.sse(e.body())
-    except StopAsyncIteration:
-        return  # the job ended without a result
-    finally:
-        await events.aclose()

@@ -18,10 +18,12 @@ MAX_UNREAD = 64
 @dataclass(eq=False)
 class Prompt:
     """A request's prompt, shared by its choices' jobs: as given (text, token ids, or chat messages) and, once the
-    worker has encoded it, its ids and (echo with logprobs) the entries of ids[1:]: both once per request."""
+    worker has encoded it (with its tools), its ids and (echo with logprobs) the entries of ids[1:]: both once per
+    request."""
 
     given: str | list[int] | list[dict]
     chat: bool
+    tools: Any = None  # chat: the request's tools.Tools, which the prompt tells the model of
     ids: list[int] | None = None
     logprobs: list | None = None
     scorer: Any = None  # echo with logprobs: the logprobs.PromptScorer while its chunks are being scored

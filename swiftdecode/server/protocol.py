@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request parsing and validation, ApiError, and the response and stream-chunk shapes.
+"""The OpenAI wire format's requests: parsing and validation, and ApiError (the responses: `responses`).
 
 Pure functions of JSON values (no model, no FastAPI): a bad request raises ApiError(400) naming its `param`.
 """
@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from swiftdecode.params import CONTROLS, MAX_BIAS_IDS, MAX_TOP_LOGPROBS, SHOWN, ParamError, check_params
+from swiftdecode.tools import Tools, check_tools
 
 ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error (4xx; 401 and 404 too), server_error
 MAX_ID_DIGITS = 18  # a logit_bias key (a token id) has at most this many digits: int() of 5000 digits raises
 MAX_SALT = 256  # characters of `cache_salt` or `user` at most
 # A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one, which cannot be encoded
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-MIN_LOGPROB = -9999.0  # written for a log-probability of -inf (vLLM's convention; JSON has no infinity)
 MAX_STOP = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` at most, as OpenAI
@@ -30,7 +28,7 @@ MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any tem
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 # Known OpenAI parameters we do not implement: accepted only at their neutral values.
-UNSUPPORTED = tuple("suffix tools functions best_of".split())
+UNSUPPORTED = tuple("suffix functions function_call best_of".split())  # functions: send tools
 NEUTRAL = (None, False, 0, "", [], {})
 NEUTRAL_EXTRA = {"best_of": (1,)}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -115,6 +113,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     salt: str | None
+    tools: Tools | None = None
 
 
 def parse_request(raw: bytes, chat: bool, model_id: str) -> Parsed:
@@ -128,11 +127,16 @@ def parse_request(raw: bytes, chat: bool, model_id: str) -> Parsed:
         raise ApiError(404, message, "model", "model_not_found")
     prompt = parse_messages(body) if chat else parse_prompt(body)
     params, n, echo = parse_sampling(body, chat), parse_n(body), parse_echo(body, chat)
+    check(chat or body.get("tools") in NEUTRAL, "'tools' is a /v1/chat/completions parameter", "tools")
+    if tools := parse_tools(body) if chat else None:
+        check("grammar" not in params, "give 'tools' or a 'response_format' / 'grammar', not both", "tools")
+        params = params | {"grammar": tools}
     stream = take(body, "stream", "bool", False)
     include_usage = take(take(body, "stream_options", "dict", {}), "include_usage", "bool", False)
     salts = [take(body, key, "str") for key in ("cache_salt", "user")]
     check(all(s is None or len(s) <= MAX_SALT for s in salts), f"'cache_salt' and 'user' take {MAX_SALT} characters")
-    return Parsed(prompt, params, n, echo, stream, include_usage, next((s for s in salts if s is not None), None))
+    salt = next((s for s in salts if s is not None), None)
+    return Parsed(prompt, params, n, echo, stream, include_usage, salt, tools)
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
@@ -253,7 +257,8 @@ def parse_prompt(body: dict) -> str | list[int]:
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """`messages` of /v1/chat/completions -> [{"role", "content": str}] (text content parts are joined)."""
+    """`messages` of /v1/chat/completions -> [{"role", "content": str}] (text content parts are joined); an
+    assistant's `tool_calls` as [{"name", "arguments": object}] (its content may then be null)."""
     messages = body.get("messages")
     check(messages is not None, "missing required field 'messages'", "messages")
     check(isinstance(messages, list) and len(messages) > 0, "'messages' must be a non-empty list", "messages")
@@ -263,102 +268,41 @@ def parse_messages(body: dict) -> list[dict]:
         check(isinstance(m, dict), f"{param} must be an object", param)
         role, content = m.get("role"), m.get("content")
         check(role in ROLES, f"{param}.role must be one of {sorted(ROLES)}", f"{param}.role")
+        calls = parse_calls(m.get("tool_calls"), param) if role == "assistant" else []
         if isinstance(content, list):
             parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
             check(all(isinstance(p, str) for p in parts), f"{param}.content: only text parts are supported", param)
             content = "".join(parts)
+        content = "" if content is None and calls else content
         check(isinstance(content, str), f"{param}.content must be a string or a list of text parts", param)
         out.append({"role": "system" if role == "developer" else role, "content": content})
+        out[-1] |= {"tool_calls": calls} if calls else {}
     return out
 
 
-# ---------------------------------------------------------------- responses
+def parse_calls(calls: object, param: str) -> list[dict]:
+    """An assistant message's `tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": JSON
+    text}}]) -> [{"name", "arguments": the parsed object}]."""
+    if calls is None:
+        return []
+    check(isinstance(calls, list), f"{param}.tool_calls must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{param}.tool_calls[{j}]"
+        f = call.get("function") if isinstance(call, dict) else None
+        ok = isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)
+        check(ok, f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", where)
+        try:
+            arguments = json.loads(f["arguments"])
+        except (ValueError, RecursionError):
+            raise ApiError(400, f"{where}.function.arguments is not valid JSON", where) from None
+        out.append({"name": f["name"], "arguments": arguments})
+    return out
 
 
-SSE_DONE = "data: [DONE]\n\n"  # the last line of every stream
-
-
-def response_head(chat: bool, model_id: str) -> dict:
-    """The fields a request's response (or each of its chunks) starts with: a fresh id, object, created, model."""
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_id,
-    }
-
-
-def usage(results: list) -> dict:
-    """OpenAI's token counts of a request's GenerationResults (one per choice; the prompt counts once)."""
-    n, first = sum(len(r.token_ids) for r in results), results[0]
-    return {
-        "prompt_tokens": first.prompt_tokens,
-        "completion_tokens": n,
-        "total_tokens": first.prompt_tokens + n,
-        "prompt_tokens_details": {"cached_tokens": first.stats.cached_prompt_tokens},
-    }
-
-
-def logprobs_json(
-    entries: list, chat: bool, text_of: Callable[[int], str], offset: int = 0, first: int | None = None
-) -> dict:
-    """OpenAI's `logprobs` of a choice or chunk from `logprobs.TokenLogprob` entries; text_of: a token's text.
-    The completions API's text_offset counts each token's text from `offset` (the characters before them);
-    `first`: a token before the entries that has no log-probability (an echoed prompt's first)."""
-    if chat:
-
-        def item(token: int, logprob: float) -> dict:
-            text = text_of(token)
-            return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
-
-        content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
-        return {"content": content, "refusal": None}
-    head = [] if first is None else [text_of(first)]
-    tokens = head + [text_of(e.token) for e in entries]
-    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    top = [None] * len(head) + [{text_of(t): finite(lp) for t, lp in e.top} for e in entries]
-    logprobs = [None] * len(head) + [finite(e.logprob) for e in entries]
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
-
-
-def finite(logprob: float) -> float | None:
-    """A log-probability as JSON can carry it: -inf as MIN_LOGPROB, NaN as null (json.dumps would write bare
-    -Infinity or NaN, which is not JSON)."""
-    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
-
-
-def completion(
-    head: dict, chat: bool, results: list, text_of: Callable[[int], str], echo: tuple | None = None
-) -> dict:  # fmt: skip
-    """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
-    engine's statistics of the first choice. `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
-    for ids[1:] or None), which each choice's text and logprobs begin with."""
-    choices, (said, first, before) = [], (echo[0], echo[1][0], echo[2] or []) if echo else ("", None, [])
-    for i, res in enumerate(results):
-        text = {"message": {"role": "assistant", "content": res.text}} if chat else {"text": said + res.text}
-        logprobs = logprobs_json(before + res.logprobs, chat, text_of, 0, first) if res.logprobs is not None else None
-        choices.append({"index": i, **text, "logprobs": logprobs, "finish_reason": res.finish_reason})
-    return {**head, "choices": choices, "usage": usage(results), "swiftdecode": results[0].stats.to_dict()}
-
-
-def sse(payload: dict) -> str:
-    """One server-sent event carrying `payload` as JSON."""
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def chunk(
-    head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None,
-    index: int = 0,
-) -> str:  # fmt: skip
-    """A streamed chunk of choice `index` (`head` from chunk_head): a piece of text, or the finish reason (text
-    None), with the `logprobs` of the tokens it completes (from logprobs_json) if any."""
-    if chat:
-        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-    return sse({**head, "choices": [choice]})
-
-
-def chunk_head(head: dict, chat: bool) -> dict:
-    return {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+def parse_tools(body: dict) -> Tools | None:
+    """A chat request's `tools`, `tool_choice` and `parallel_tool_calls` (see tools.check_tools)."""
+    try:
+        return check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except ParamError as e:
+        raise ApiError(400, str(e), e.field) from None

@@ -48,7 +48,8 @@ def fail(jobs: list[Job], error: ApiError, metrics: Metrics, outcome: str = "err
 def encoded(gen: Generator, prompt: Prompt) -> list[int]:
     """The prompt's ids, encoded by the first of its choices to start (the tokenizer: the worker thread only)."""
     if prompt.ids is None:
-        prompt.ids = gen.chat_ids(prompt.given) if prompt.chat else gen.prompts.encode(prompt.given, False)
+        given = prompt.given
+        prompt.ids = gen.chat_ids(given, prompt.tools) if prompt.chat else gen.prompts.encode(given, False)
     return prompt.ids
 
 
