@@ -264,8 +264,14 @@ def partial(text: str, marker: str) -> int:
 
 def split_answer(text: str) -> tuple[str | None, list[dict]]:
     """A whole answer -> (its content, None if empty; its calls [{"name", "arguments": JSON text}])."""
-    parser, content, calls = CallParser(), [], []
-    for event in parser.feed(text) + parser.close():
+    parser = CallParser()
+    return gathered(parser.feed(text) + parser.close())
+
+
+def gathered(events: list[tuple]) -> tuple[str | None, list[dict]]:
+    """CallParser's events -> (the content, None if empty; the calls [{"name", "arguments": JSON text}])."""
+    content, calls = [], []
+    for event in events:
         if event[0] == "content":
             content.append(event[1])
         elif event[0] == "call":

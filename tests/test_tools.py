@@ -20,7 +20,7 @@ from conftest import batched_and_solo
 from swiftdecode import Generator
 from swiftdecode.concurrency import serving
 from swiftdecode.server import create_app
-from swiftdecode.tools import CallParser, check_tools, split_answer
+from swiftdecode.tools import CallParser, check_tools, gathered, split_answer
 
 MODEL = "qwen2.5-coder-0.5b"
 WEATHER = {
@@ -292,15 +292,7 @@ def test_the_streamed_split_equals_the_whole_split_however_chunked(text):
             k = r.randint(1, 6)
             events += parser.feed(text[i : i + k])
             i += k
-        content, calls = [], []
-        for e in events + parser.close():
-            if e[0] == "content":
-                content.append(e[1])
-            elif e[0] == "call":
-                calls.append({"name": e[2], "arguments": ""})
-            else:
-                calls[e[1]]["arguments"] += e[2]
-        assert ("".join(content) or None, calls) == want
+        assert gathered(events + parser.close()) == want
 
 
 # ---------------------------------------------------------------- /tokenize and /detokenize
