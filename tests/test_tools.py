@@ -228,7 +228,9 @@ BAD = [
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
     ({"functions": [WEATHER["function"]]}, "functions"),
-]
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties":
+      {f"p{j}": {"type": "string", "enum": ["v" * 100] * 30} for j in range(30)}}}} for i in range(3)]}, "tools"),
+]  # fmt: skip
 
 
 def test_bad_tools_are_400_beside_a_running_stream(url, client):
@@ -251,6 +253,10 @@ def test_bad_tools_are_400_beside_a_running_stream(url, client):
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]  # fmt: skip
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": history}, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    deep = history[1]["tool_calls"][0]["function"] | {"arguments": "[" * 900 + "]" * 900}
+    history[1]["tool_calls"][0]["function"] = deep
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": history}, timeout=60)
+    assert r.status_code == 400 and "nest too deep" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "tools": [WEATHER]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     thread.join(120)

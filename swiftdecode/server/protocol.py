@@ -18,6 +18,7 @@ from swiftdecode.tools import Tools, check_tools
 ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error (4xx; 401 and 404 too), server_error
 MAX_ID_DIGITS = 18  # a logit_bias key (a token id) has at most this many digits: int() of 5000 digits raises
 MAX_SALT = 256  # characters of `cache_salt` or `user` at most
+MAX_NESTING = 64  # a history call's arguments nest at most this deep: the chat template renders them recursively
 # A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one, which cannot be encoded
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOP = 4  # as OpenAI
@@ -296,8 +297,15 @@ def parse_calls(calls: object, param: str) -> list[dict]:
             arguments = json.loads(f["arguments"])
         except (ValueError, RecursionError):
             raise ApiError(400, f"{where}.function.arguments is not valid JSON", where) from None
+        check(not nested_deeper(arguments, MAX_NESTING), f"{where}.function.arguments nest too deep", where)
         out.append({"name": f["name"], "arguments": arguments})
     return out
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` deep (recursing at most that far)."""
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return bool(inner) and (limit <= 0 or any(nested_deeper(v, limit - 1) for v in inner))
 
 
 def parse_tools(body: dict) -> Tools | None:

@@ -103,7 +103,7 @@ class ToolDeltas:
     arguments) and its arguments as they come, as OpenAI streams `delta.tool_calls`."""
 
     def __init__(self):
-        self.parser, self.calls = CallParser(), 0
+        self.parser = CallParser()
 
     def feed(self, text: str) -> list[dict]:
         return [self.delta(event) for event in self.parser.feed(text)]
@@ -115,7 +115,6 @@ class ToolDeltas:
         if event[0] == "content":
             return {"content": event[1]}
         if event[0] == "call":
-            self.calls += 1
             return {"tool_calls": [{"index": event[1], **tool_call(event[2], "")}]}
         return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
 

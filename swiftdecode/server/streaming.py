@@ -138,7 +138,7 @@ async def choice_chunks(
         pending += ev.logprobs
         for piece in pieces(res.text[sent:], last=True):
             yield piece
-        finish = tool_finish(res.finish_reason, split.calls) if split else res.finish_reason
+        finish = tool_finish(res.finish_reason, split.parser.calls) if split else res.finish_reason
         yield responses.chunk(head, chat, None, finish, logprobs=logprobs(), index=index)
         results.append(res)
     except ApiError as e:
