@@ -54,7 +54,7 @@ def test_formats(kind):
     for kern in kernels():
         assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
         one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
-        for rows in (7, 11, 16, 70):  # unrolled for exact counts (<= 8), to 12 and 16 (AVX-512), run-time passes
+        for rows in (3, 6, 8, 11, 16, 70):  # unrolled for exact counts (<= 4 AVX-512, <= 8 AVX2), rolled passes
             y = kern.linear(x[:rows], w, bias)
             assert torch.equal(y, one[:rows]), f"{kern.isa}: a {rows}-row product differs from one-row products"
         want = x @ ref.T + bias

@@ -79,12 +79,19 @@ static inline vi srl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
 static inline vi sll16(vi a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm512_set1_epi8((char)v); }
 static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
-static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi subi(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm512_slli_epi32(a, n); }
-static inline vi dot(vi acc, vi u, vi x) { return _mm512_dpbusd_epi32(acc, u, x); }  // u8 x s8, 4 per lane
+// acc += u8 x s8 products, 4 per lane, of codes u and the 4 int8 at p broadcast to every lane. The broadcast is
+// the instruction's memory operand ({1to16}), written in asm: GCC emits a vpbroadcastd of its own before each
+// vpdpbusd, and that extra instruction cost the rolled many-row pass 1.2x (32 rows, Xeon; a loop of this step
+// alone ran 1.3-1.9x faster).
+typedef int32_t __attribute__((may_alias)) i32_alias;  // the asm's memory operand reads int8 codes as one dword
+static inline vi dot_bcast(vi acc, vi u, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const i32_alias*)p));
+  return acc;
+}
 static inline vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf fzero() { return _mm512_setzero_ps(); }
 static inline vf fset(float v) { return _mm512_set1_ps(v); }
@@ -108,8 +115,12 @@ static inline void store_codes(int8_t* q, const vi c[32 / W]) {
   _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c[0]));
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(c[1]));
 }
+// Rows unrolled with register accumulators; more run the rolled pass (accumulators in L1). The rolled pass was
+// faster from 5 rows on here (Qwen2.5-0.5B's products, Xeon: 8 rows 0.93x, 12 rows 0.88x), not on AVX2 (1.06x).
+#define UNROLLED_ROWS 4
 #define SD_ISA avx512
 #else
+#define UNROLLED_ROWS 8
 #define W 8
 typedef __m256i vi;
 typedef __m256 vf;
@@ -223,12 +234,12 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
   (void)uh;
   if (Fmt<F>::sub16) {  // values 0..15 and 16..31 apart, each in two chains
     vi p[4] = {izero(), izero(), izero(), izero()};
-    for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot(p[(g & 1) + 2 * (g >> 2)], u[g], bcast4(xq + 4 * g));
+    for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot_bcast(p[(g & 1) + 2 * (g >> 2)], u[g], xq + 4 * g);
     s[0] = addi(p[0], p[1]);
     s[1] = addi(p[2], p[3]);
   } else {  // two chains: the tile's other rows give the core parallel work
     vi p[2] = {izero(), izero()};
-    for (int g = 0; g < 8; g++) p[g & 1] = dot(p[g & 1], u[g], bcast4(xq + 4 * g));
+    for (int g = 0; g < 8; g++) p[g & 1] = dot_bcast(p[g & 1], u[g], xq + 4 * g);
     s[0] = addi(p[0], p[1]);
     s[1] = izero();
   }
@@ -357,24 +368,22 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
   }
 }
 
-// Every input row against one row tile: up to 8 rows unrolled at compile time for their exact count, up to 16 (AVX-512)
-// unrolled to 12 or 16 with a run-time count, more in passes of up to RMAX rows that unpack each block once per pass.
+// Every input row against one row tile: up to UNROLLED_ROWS rows unrolled at compile time for their exact count
+// (accumulators in registers), more in passes of up to RMAX rows that unpack each block once per pass.
 template <int F>
 static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
-  switch (M) {
-    case 1: tile_rows<F, 1>(w, x, bias, y, t, 0, 1); return;
-    case 2: tile_rows<F, 2>(w, x, bias, y, t, 0, 2); return;
-    case 3: tile_rows<F, 3>(w, x, bias, y, t, 0, 3); return;
-    case 4: tile_rows<F, 4>(w, x, bias, y, t, 0, 4); return;
-    case 5: tile_rows<F, 5>(w, x, bias, y, t, 0, 5); return;
-    case 6: tile_rows<F, 6>(w, x, bias, y, t, 0, 6); return;
-    case 7: tile_rows<F, 7>(w, x, bias, y, t, 0, 7); return;
-    case 8: tile_rows<F, 8>(w, x, bias, y, t, 0, 8); return;
-  }
-#if defined(SD_AVX512)  // 32 vector registers: up to 16 rows' accumulators beside a block's codes
-  if (M <= 12) return tile_rows<F, 12>(w, x, bias, y, t, 0, (int)M);
-  if (M <= 16) return tile_rows<F, 16>(w, x, bias, y, t, 0, (int)M);
+  switch (UNROLLED_ROWS >= M ? M : 0) {
+    case 1: return tile_rows<F, 1>(w, x, bias, y, t, 0, 1);
+    case 2: return tile_rows<F, 2>(w, x, bias, y, t, 0, 2);
+    case 3: return tile_rows<F, 3>(w, x, bias, y, t, 0, 3);
+    case 4: return tile_rows<F, 4>(w, x, bias, y, t, 0, 4);
+#if UNROLLED_ROWS > 4
+    case 5: return tile_rows<F, 5>(w, x, bias, y, t, 0, 5);
+    case 6: return tile_rows<F, 6>(w, x, bias, y, t, 0, 6);
+    case 7: return tile_rows<F, 7>(w, x, bias, y, t, 0, 7);
+    case 8: return tile_rows<F, 8>(w, x, bias, y, t, 0, 8);
 #endif
+  }
   for (int64_t m = 0; m < M; m += RMAX) tile_rows<F, 0>(w, x, bias, y, t, m, (int)(M - m < RMAX ? M - m : RMAX));
 }
 
