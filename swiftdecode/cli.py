@@ -1,4 +1,4 @@
-"""Command line: `swiftdecode generate | chat | bench | serve | pull | doctor`."""
+"""Command line: `swiftdecode generate | chat | bench | serve | pull | doctor | eval`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ COMMANDS = {
     "soak": ("swiftdecode.server.soak", "soak a live server with concurrent valid and abusive requests"),
     "pull": ("swiftdecode.pull_cli", "download, assemble and convert a registry model"),
     "doctor": ("swiftdecode.doctor", "show the CPU matmul path and multi-token forward costs"),
+    "eval": ("swiftdecode.evaluate.cli", "perplexity and KL divergence from float32, beside llama.cpp's"),
 }
 
 

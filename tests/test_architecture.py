@@ -37,6 +37,7 @@ LAYERS = {
         "generate_cli",
         "chat",
         "doctor",
+        "evaluate",
         "pull_cli",
         "server",
         "bench",
