@@ -74,8 +74,10 @@ def _run(cmd: list[str]) -> str:
 
 
 def llama_scores(gguf: Path, f32: Path, text: Path, base: Path, ctx: int, chunks: int, threads: int) -> dict:
-    """{"base": {"ppl"}, "quantized": {ppl, ref_ppl, ppl_ratio, kld_mean, kld_p99, same_top}} from two runs of
-    llama-perplexity on `text` (`base`: its log-probability file, rewritten)."""
+    """llama-perplexity's figures on `text` (`base`: its log-probability file, rewritten): "base" {ppl} of the F32
+    run; "quantized" and "storage_floor" (the F32 model against its own stored run) {ppl, ppl_ratio (over the F32
+    run's ppl), kld_mean, kld_p99, same_top, and its own reported ref_ppl and ppl ratio}. llama.cpp stores the
+    base log-probabilities as 16-bit integers, so its KLD includes that rounding: the floor shows how much."""
     binary = find_binary(BINARY)
     if binary is None:
         raise UserError(f"{BINARY} not found: build it with ../shared/tools/llama-cpp-peer.sh")
@@ -83,8 +85,12 @@ def llama_scores(gguf: Path, f32: Path, text: Path, base: Path, ctx: int, chunks
     out = _run([*common, "-m", str(f32), "--kl-divergence-base", str(base)])
     if not (m := _BASE_PPL.search(out)):
         raise UserError(f"{BINARY}: no final estimate in the base run's output")
-    out2 = _run([*common, "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence"])
-    return {"base": {"ppl": float(m.group(1))}, "quantized": parse_kld(out2)}
+    result = {"base": {"ppl": float(m.group(1))}}
+    for name, model in (("quantized", gguf), ("storage_floor", f32)):
+        s = parse_kld(_run([*common, "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence"]))
+        s["reported_ref_ppl"], s["reported_ppl_ratio"] = s.pop("ref_ppl"), s.pop("ppl_ratio")
+        result[name] = {**s, "ppl_ratio": s["ppl"] / result["base"]["ppl"]}
+    return result
 
 
 def parse_kld(out: str) -> dict:
