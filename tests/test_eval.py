@@ -66,7 +66,7 @@ def test_windows_follow_llama_perplexity():
 
 @pytest.mark.parametrize(
     ("ids", "ctx", "message"),
-    [(list(range(100)), 64, "at least 2 x --ctx"), (list(range(1000)), 63, "even number"), ([1] * 40, 8, "even")],
+    [(list(range(100)), 64, "at least 2 x --ctx"), (list(range(1000)), 63, "even number"), ([1] * 40, 0, "even")],
 )
 def test_windows_refuse_what_cannot_be_scored(ids, ctx, message):
     from swiftdecode.errors import UserError

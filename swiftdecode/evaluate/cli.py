@@ -88,8 +88,9 @@ def _llama(args: argparse.Namespace, text: str, chunks: int, cache: Path) -> dic
     files = locate_gguf(args.model, cache_dir=args.cache_dir, progress=not args.json)
     if files is None:
         raise UserError("--llama-cpp needs a GGUF model (a registry name or a .gguf file)")
-    gguf = files[0]
-    f32 = f32_gguf(gguf, cache / "eval" / f"{files[1].name}-f32.gguf")
+    gguf, folder = files
+    (cache / "eval").mkdir(parents=True, exist_ok=True)
+    f32 = f32_gguf(gguf, cache / "eval" / f"{folder.name}-f32.gguf")
     with tempfile.TemporaryDirectory(dir=cache / "eval") as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_text(text, encoding="utf-8")

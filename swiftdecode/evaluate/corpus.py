@@ -61,9 +61,9 @@ def _code() -> list[str]:
 def windows(ids: list[int], ctx: int, limit: int | None, bos: int | None) -> list[list[int]]:
     """Consecutive windows of `ctx` tokens of `ids` (at most `limit`), each beginning with `bos` in place of its
     first token when the tokenizer adds one (llama-perplexity's rule). Error if the text holds fewer than 2."""
-    n = len(ids) // ctx if limit is None else min(limit, len(ids) // ctx)
     if ctx < 16 or ctx % 2:
         raise UserError("--ctx must be an even number >= 16")
+    n = len(ids) // ctx if limit is None else min(limit, len(ids) // ctx)
     if n < 1 or len(ids) < 2 * ctx:  # llama-perplexity refuses fewer than 2 * ctx tokens
         raise UserError(f"the corpus has {len(ids)} tokens: at least 2 x --ctx ({2 * ctx}) are needed")
     out = [ids[i * ctx : (i + 1) * ctx] for i in range(n)]
