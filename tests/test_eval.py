@@ -136,3 +136,5 @@ def test_eval_command_prints_scores_and_rejects_bad_input(capsys):
         assert message in err and len(err.splitlines()) == 1
     assert main(["eval", "--corpus", "/nonexistent.txt"]) == 2
     assert "neither" in capsys.readouterr().err
+    assert main([*base, "--ctx", str(CTX), "--windows", "2", "--out", "/nonexistent/dir/r.json"]) == 2
+    assert "--out" in capsys.readouterr().err

@@ -45,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if args.llama_cpp:
+        from swiftdecode.evaluate.llama_ppl import BINARY, HOW_TO
+        from swiftdecode.peers import find_binary
+
+        if find_binary(BINARY) is None:  # before the long part, not after it
+            raise UserError(HOW_TO)
     text = corpus_text(args.corpus, args.data)
     progress = not args.json
     load = {"cache_dir": args.cache_dir, "progress": progress}
@@ -73,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.llama_cpp:
         result["llama.cpp"] = _llama(args, text, len(wins), cache)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise UserError(f"--out: {e}") from None
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

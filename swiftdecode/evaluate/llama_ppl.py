@@ -18,6 +18,7 @@ from swiftdecode.errors import UserError
 from swiftdecode.peers import NO_REPACK, find_binary
 
 BINARY = "llama-perplexity"
+HOW_TO = f"{BINARY} not found: build it with ../shared/tools/llama-cpp-peer.sh (or set SWIFTDECODE_LLAMA_CPP)"
 FLOAT_TYPES = {"F32", "F16", "BF16"}  # kept as they are (only the quantized tensors are dequantized)
 _NUM = r"([-\d.]+)"
 PATTERNS = {  # llama-perplexity's summary lines (tools/perplexity/perplexity.cpp)
@@ -80,7 +81,7 @@ def llama_scores(gguf: Path, f32: Path, text: Path, base: Path, ctx: int, chunks
     base log-probabilities as 16-bit integers, so its KLD includes that rounding: the floor shows how much."""
     binary = find_binary(BINARY)
     if binary is None:
-        raise UserError(f"{BINARY} not found: build it with ../shared/tools/llama-cpp-peer.sh")
+        raise UserError(HOW_TO)
     common = [str(binary), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads), "-b", str(ctx)]
     out = _run([*common, "-m", str(f32), "--kl-divergence-base", str(base)])
     if not (m := _BASE_PPL.search(out)):
