@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     cache = resolve_cache_dir(args.cache_dir)
     store = None
     if args.reference == "fp32":
-        store = ReferenceStore(cache, f"{args.model}-fp32-torch", wins)
+        store = ReferenceStore(cache, f"{args.model}-fp32-torch-{torch.__version__}", wins)  # torch's numerics
         if store.missing(len(wins)):
             ref, _ = swiftdecode.load(args.model, fast_path="torch", weights="fp32", **load)
             fill(SwiftModel(ref), wins, store, progress)
