@@ -137,5 +137,6 @@ def format_table(r: dict) -> str:
 def _row(label: str, s: dict) -> str:
     if "kld_mean" not in s:
         return ROW.format(label, f"{s['ppl']:.4f}", "", "", "", "")
-    cells = (f"{s['ppl']:.4f}", f"{s['ppl_ratio']:.4f}", f"{s['kld_mean']:.6f}", f"{s['kld_p99']:.5f}")
+    kld = round(s["kld_mean"], 6) + 0.0  # llama.cpp's rounding can leave a floor of -0.0
+    cells = (f"{s['ppl']:.4f}", f"{s['ppl_ratio']:.4f}", f"{kld:.6f}", f"{s['kld_p99']:.5f}")
     return ROW.format(label, *cells, f"{100 * s['same_top']:.2f}%")
