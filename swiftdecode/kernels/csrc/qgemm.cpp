@@ -308,20 +308,20 @@ template <int F>
 __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
                                                            const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
   const int64_t nb = x.K / 32;
-  const int32_t* sx = x.s + m * 2 * nb + 2 * blk;  // the block's two 16-value sums of q (Q6_K's offset terms)
   vi s[2];
   constexpr int plane = off_plane<F>();
   const vi init = plane >= 0 ? seti(x.noff[(plane * x.M + m) * nb + blk]) : izero();
   block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
   const vf vdx = fset(x.d[m * nb + blk]);
-  if (Fmt<F>::sub16) {
+  if (Fmt<F>::sub16) {  // Q6_K: each 16 values' offset term from their sum of q
+    const int32_t* sx = x.s + m * 2 * nb + 2 * blk;
     acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx[0]))), acc);
     acc = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx[1]))), acc);
-  } else if (Fmt<F>::off) {  // the offset term began the dot product's chain (init)
-    acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
-  } else {
-    acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
-    const vf fsx = fset(x.ds[m * nb + blk]);  // d * (float)(sx[0] + sx[1]), a broadcast from memory
+    return;
+  }
+  acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);  // a whole-block offset term began s[0]'s chain (init)
+  if (Fmt<F>::mins) {
+    const vf fsx = fset(x.ds[m * nb + blk]);  // d * (float)(the block's sum of q), a broadcast from memory
     acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
   }
 }
