@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from swiftdecode.config import METHODS, isa_of
-from swiftdecode.errors import UserError
+from swiftdecode.base.config import METHODS, isa_of
+from swiftdecode.base.errors import UserError
 
 __version__ = "0.1.0"
 __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", "METHODS"]
@@ -14,7 +14,7 @@ __all__ = ["load", "Generator", "GenerationResult", "StreamEvent", "UserError", 
 def __getattr__(name: str):
     """Engine names are imported on first use, so `swiftdecode --help` does not pay for torch."""
     if name in ("Generator", "GenerationResult", "StreamEvent"):
-        return getattr(import_module("swiftdecode.engine"), name)
+        return getattr(import_module("swiftdecode.engine.generator"), name)
     raise AttributeError(name)
 
 
@@ -29,8 +29,8 @@ def load(
     qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32.
     fast_path "skinny-avx2" / "skinny-avx512" picks that ISA's build of every kernel, the quantized ones
     included (their results are the same bits on both: only the speed differs)."""
-    from swiftdecode.fastpath import accelerate
     from swiftdecode.hub import WEIGHTS, load_model, locate_gguf
+    from swiftdecode.runtime.fastpath import accelerate
 
     if weights not in WEIGHTS:
         raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
@@ -48,7 +48,7 @@ def _load_quantized(gguf, folder, progress: bool, isa: str | None):
 
     from swiftdecode.kernels.build import KernelUnavailable
     from swiftdecode.kernels.qgemm import load_qkernel
-    from swiftdecode.quantized import build
+    from swiftdecode.runtime.quantized import build
 
     try:
         kernel = load_qkernel(isa)

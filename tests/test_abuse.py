@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from swiftdecode import Generator, UserError
-from swiftdecode.concurrency import serving
-from swiftdecode.server import create_app
-from swiftdecode.server.jobs import END
+from swiftdecode.apps.bench.concurrency import serving
+from swiftdecode.apps.server import create_app
+from swiftdecode.apps.server.jobs import END
 
 MODEL = "smollm2-135m"
 KEY, OTHER_KEY = "sk-tenant-a", "sk-tenant-b"
@@ -124,7 +124,7 @@ def test_held_back_text_is_the_longest_end_that_begins_a_stop_string():
     """stop_overlap (bounded work per stop string) against the definition, on strings over a small alphabet."""
     import random
 
-    from swiftdecode.request import stop_overlap
+    from swiftdecode.decoding.request import stop_overlap
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -146,7 +146,7 @@ def test_a_degenerate_temperature_is_refused_beside_a_stream(url, solo):
 def test_a_request_failing_mid_round_leaves_the_batch_alone(smollm):
     """A request whose own part of a round raises (here its sampler, on its 6th pick) leaves the batch with the
     exception as its event; the others decode exactly their solo answers."""
-    from swiftdecode.batch import Batch
+    from swiftdecode.engine.batch import Batch
 
     gen = Generator(*smollm, method="swift")
     prompts = ["Name three fruits.", "Count from one to ten.", "What is the capital of France?"]
@@ -226,7 +226,7 @@ def test_echo_scoring_is_inside_the_kv_budget(gen):
 def test_a_long_echo_is_scored_between_the_others_rounds(gen, url, solo):
     """Scoring a long prompt (echo with logprobs, 6 chunks) holds a running stream for one chunk at a time, not
     for the whole prompt: the stream goes on decoding while it is scored, both answers are their solo answers."""
-    from swiftdecode.logprobs import PROMPT_CHUNK, prompt_logprobs
+    from swiftdecode.decoding.logprobs import PROMPT_CHUNK, prompt_logprobs
 
     ids = [int(t) for t in gen.tokenizer("The quick brown fox jumps over the lazy dog. " * 140).input_ids]
     ids = ids[: 6 * PROMPT_CHUNK - 10]
@@ -285,9 +285,9 @@ def test_the_prefix_cache_is_shared_only_within_a_tenant(url):
 def test_a_reader_that_never_reads_holds_a_bounded_buffer(smollm):
     """A job whose events nobody takes (its event loop never runs) stops being decoded at MAX_UNREAD events,
     and the worker goes on serving others meanwhile."""
-    from swiftdecode.server.jobs import MAX_UNREAD, Job, Prompt
-    from swiftdecode.server.metrics import Metrics
-    from swiftdecode.server.worker import Worker
+    from swiftdecode.apps.server.jobs import MAX_UNREAD, Job, Prompt
+    from swiftdecode.apps.server.metrics import Metrics
+    from swiftdecode.apps.server.worker import Worker
 
     worker = Worker(Generator(*smollm, method="ar"), 4, Metrics(), max_batch=4)
     assert worker.warm.wait(60)
@@ -381,7 +381,7 @@ def test_error_shapes_are_openais(url):
 
 
 def test_unhandled_errors_are_counted(gen, monkeypatch):
-    from swiftdecode.server import protocol
+    from swiftdecode.apps.server import protocol
 
     def broken(*args):
         raise RuntimeError("a bug")
@@ -395,7 +395,7 @@ def test_unhandled_errors_are_counted(gen, monkeypatch):
 
 
 def test_an_empty_api_key_is_refused(gen):
-    from swiftdecode.cli import main
+    from swiftdecode.apps.cli import main
 
     with pytest.raises(UserError, match="empty"):
         create_app(gen, MODEL, api_key="")
@@ -404,7 +404,7 @@ def test_an_empty_api_key_is_refused(gen):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn exits its thread
 def test_a_failed_warm_up_stops_the_server_from_starting(gen, monkeypatch):
-    import swiftdecode.server.worker as worker
+    import swiftdecode.apps.server.worker as worker
 
     def fail(sm):
         raise RuntimeError("no memory for the warm-up")
@@ -424,8 +424,8 @@ def test_a_stopped_worker_makes_health_fail(gen):
 
 
 def test_log_probabilities_are_always_valid_json():
-    from swiftdecode.logprobs import TokenLogprob
-    from swiftdecode.server.responses import MIN_LOGPROB, logprobs_json
+    from swiftdecode.apps.server.responses import MIN_LOGPROB, logprobs_json
+    from swiftdecode.decoding.logprobs import TokenLogprob
 
     entries = [TokenLogprob(1, -math.inf, ((2, math.nan),)), TokenLogprob(2, math.nan, ())]
     for chat in (True, False):
@@ -469,7 +469,7 @@ def test_freed_heap_memory_goes_back_to_the_system():
     """The worker's idle-time trim (server/heap.py) reaches glibc's malloc_trim where the C library is glibc."""
     import platform
 
-    from swiftdecode.server.heap import release_free_memory
+    from swiftdecode.apps.server.heap import release_free_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("malloc_trim is glibc's")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from swiftdecode import Generator
-from swiftdecode.batch import PREFILL_CHUNK, Batch
+from swiftdecode.engine.batch import PREFILL_CHUNK, Batch
 
 MIX = [  # (prompt, parameters): greedy, sampling, top-p/top-k, a stop string, different lengths
     ("Write a short story about a lighthouse keeper.", dict(max_new_tokens=48)),
@@ -47,7 +47,7 @@ def run_batched(gen: Generator, joins: list[int], leave: int | None = None) -> l
 def _why(gen: Generator, k: int, ref) -> str:
     """What a mismatch report needs to tell a batching fault from a solo run that changed: the paths the model
     runs on, the solo run's rounds, and whether running MIX[k] alone again gives the same tokens."""
-    from swiftdecode.fastpath import info_of
+    from swiftdecode.runtime.fastpath import info_of
 
     again = gen.generate(MIX[k][0], chat=True, **MIX[k][1]).token_ids
     return (

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from swiftdecode.bench import hf, runners, stream, summary
-from swiftdecode.bench.methods import Outcome, cut_at_eos
-from swiftdecode.cli import main
-from swiftdecode.data import Prompt
+from swiftdecode.apps.bench import hf, runners, stream, summary
+from swiftdecode.apps.bench.methods import Outcome, cut_at_eos
+from swiftdecode.apps.cli import main
+from swiftdecode.apps.data import Prompt
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -267,7 +267,7 @@ def test_a_method_failing_on_one_prompt_costs_that_row_not_the_run():
         ("llama.cpp", "1"), ("llama.cpp", "3")]  # fmt: skip
     assert len(records) == 5 and [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "2")]
     assert "UnicodeDecodeError" in failures[0]["error"]
-    from swiftdecode.bench.report import failure_lines
+    from swiftdecode.apps.bench.report import failure_lines
 
     assert "llama.cpp` on prompt 2" in "\n".join(failure_lines({"failures": failures}))
 
@@ -396,7 +396,7 @@ def test_concurrency_mode_beside_llama_server(tmp_path, monkeypatch, capsys):
 
 
 def test_llama_server_killed_at_start_is_retried_without_repacking(tmp_path, monkeypatch, capsys):
-    from swiftdecode.bench import llama_server
+    from swiftdecode.apps.bench import llama_server
 
     args_file = fake_llama_server(tmp_path, monkeypatch)
     monkeypatch.setenv("FAKE_CRASH", "1")

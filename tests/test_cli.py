@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from swiftdecode.cli import main
-from swiftdecode.fastpath import SPARSITY_LEVELS
+from swiftdecode.apps.cli import main
+from swiftdecode.runtime.fastpath import SPARSITY_LEVELS
 
 KEYS = {"text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate"}
 

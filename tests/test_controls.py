@@ -8,8 +8,8 @@ import torch
 from conftest import batched_and_solo
 
 from swiftdecode import Generator, UserError
-from swiftdecode.params import SamplingParams
-from swiftdecode.sampling import Sampler, kept, probabilities
+from swiftdecode.base.params import SamplingParams
+from swiftdecode.decoding.sampling import Sampler, kept, probabilities
 
 PROMPT = "Write a short story about a robot who learns to paint."
 

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from swiftdecode.data import MT_BENCH, Prompt, load_prompts
-from swiftdecode.errors import UserError
+from swiftdecode.apps.data import MT_BENCH, Prompt, load_prompts
+from swiftdecode.base.errors import UserError
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swiftdecode.cache import SwiftCache
-from swiftdecode.lean import rotary
-from swiftdecode.model import SwiftModel
-from swiftdecode.skip import SkipSet
-from swiftdecode.tree import attention_mask
+from swiftdecode.runtime.cache import SwiftCache
+from swiftdecode.runtime.lean import rotary
+from swiftdecode.runtime.model import SwiftModel
+from swiftdecode.runtime.skip import SkipSet
+from swiftdecode.runtime.tree import attention_mask
 
 
 def test_silu_mul_matches_torch_and_every_isa_build_agrees(fp32_builds):

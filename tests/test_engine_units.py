@@ -9,16 +9,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from swiftdecode import Generator, UserError, fastpath
-from swiftdecode.cache import SwiftCache
-from swiftdecode.drafting import DraftConfig
-from swiftdecode.engine import EngineConfig
-from swiftdecode.sampling import Sampler, SamplingParams, argmax, kept, probabilities
-from swiftdecode.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
-from swiftdecode.skip import SkipSet
-from swiftdecode.tree import NGRAM, SKIP, Tree, attention_mask
-from swiftdecode.tuning import matchness
-from swiftdecode.verification import verify
+from swiftdecode import Generator, UserError
+from swiftdecode.decoding.sampling import Sampler, SamplingParams, argmax, kept, probabilities
+from swiftdecode.decoding.verification import verify
+from swiftdecode.drafters.layer_skip.draft import DraftConfig
+from swiftdecode.drafters.layer_skip.search import DraftCost, LayerSearch, SearchConfig, expected_speedup
+from swiftdecode.drafters.layer_skip.tuner import matchness
+from swiftdecode.engine.generator import EngineConfig
+from swiftdecode.runtime import fastpath
+from swiftdecode.runtime.cache import SwiftCache
+from swiftdecode.runtime.skip import SkipSet
+from swiftdecode.runtime.tree import NGRAM, SKIP, Tree, attention_mask
 
 
 def small_tree() -> Tree:
@@ -294,7 +295,7 @@ def test_coupled_sampling_draft_is_always_accepted_when_the_draft_is_the_model(s
 
 def test_sampling_noise_is_drawn_only_where_sampled():
     """Noise is a pure function of (seed, position): a token at position 4000 draws one vector, not 4001."""
-    from swiftdecode.sampling import Sampler, SamplingParams
+    from swiftdecode.decoding.sampling import Sampler, SamplingParams
 
     params, logits = SamplingParams(temperature=1.0), torch.randn(1000, generator=torch.Generator().manual_seed(0))
     s = Sampler(params, seed=3)
@@ -316,7 +317,7 @@ def test_unseeded_sampling_leaves_torch_rng_alone(smollm):
 def test_first_request_thresholds_come_from_the_prompt(smollm_fp32):
     """The sparsity thresholds after a fresh generator's first prefill are those of the prompt alone (the search's
     cost timing, which runs right after, must not overwrite them)."""
-    from swiftdecode.model import SwiftModel
+    from swiftdecode.runtime.model import SwiftModel
 
     model, tok = smollm_fp32
     gen = Generator(model, tok, method="swift")
@@ -385,7 +386,7 @@ def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
 def test_text_so_far_is_the_whole_decode_a_few_tokens_at_a_time(request, model_name):
     """Fed in rounds of 1-5 tokens, the incremental text is always a prefix of decoding all the tokens, and
     catches up with it whenever the characters are whole (accents, CJK, emoji split across tokens)."""
-    from swiftdecode.text import Prompts, TextSoFar
+    from swiftdecode.base.text import Prompts, TextSoFar
 
     _, tok = request.getfixturevalue(model_name)
     prompts = Prompts(tok, len(tok), 1 << 20)

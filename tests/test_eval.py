@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from swiftdecode.evaluate.corpus import NEWS, corpus_text, windows
-from swiftdecode.evaluate.fidelity import ReferenceStore, evaluate, fill, targets
-from swiftdecode.evaluate.llama_ppl import f32_gguf, parse_kld
-from swiftdecode.model import SwiftModel
+from swiftdecode.apps.evaluate.corpus import NEWS, corpus_text, windows
+from swiftdecode.apps.evaluate.fidelity import ReferenceStore, evaluate, fill, targets
+from swiftdecode.apps.evaluate.llama_ppl import f32_gguf, parse_kld
+from swiftdecode.runtime.model import SwiftModel
 
 README = Path(__file__).resolve().parents[1] / "README.md"  # text the tests score: no shared data needed
 CTX = 64
@@ -69,7 +69,7 @@ def test_windows_follow_llama_perplexity():
     [(list(range(100)), 64, "at least 2 x --ctx"), (list(range(1000)), 63, "even number"), ([1] * 40, 0, "even")],
 )
 def test_windows_refuse_what_cannot_be_scored(ids, ctx, message):
-    from swiftdecode.errors import UserError
+    from swiftdecode.base.errors import UserError
 
     with pytest.raises(UserError, match=message):
         windows(ids, ctx, None, None)
@@ -120,7 +120,7 @@ def test_llama_perplexity_summary_is_parsed():
 
 
 def test_eval_command_prints_scores_and_rejects_bad_input(capsys):
-    from swiftdecode.cli import main
+    from swiftdecode.apps.cli import main
 
     base = ["eval", "--model", "smollm2-135m", "--corpus", str(README), "--reference", "none", "--json"]
     assert main([*base, "--ctx", str(CTX), "--windows", "2"]) == 0

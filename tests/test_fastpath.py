@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swiftdecode.errors import UserError
-from swiftdecode.fastpath import FastLinear, accelerate
+from swiftdecode.base.errors import UserError
 from swiftdecode.kernels import fp32
 from swiftdecode.kernels.fp32 import KernelUnavailable, load_kernel
+from swiftdecode.runtime.fastpath import FastLinear, accelerate
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +331,7 @@ def test_smollm2_forward_matches_torch(kernel, smollm_fp32):
 
 
 def test_doctor_reports_both_paths(kernel, smollm):
-    from swiftdecode.doctor import KS, diagnose, format_report
+    from swiftdecode.apps.doctor import KS, diagnose, format_report
 
     model, _ = smollm
     d = diagnose(model, "auto", context=8, repeats=1)
@@ -369,7 +369,7 @@ def test_k_rows_equal_one_row_at_any_thread_count(request, name):
     """On the engine's forward (quantized kernel; lean layers, or transformers' for Gemma), an 8-token chain
     returns bit-for-bit the logits of 8 one-token forwards, at 1, 2, 3 and 4 threads (norms, rotary and
     activations included)."""
-    from swiftdecode.model import SwiftModel
+    from swiftdecode.runtime.model import SwiftModel
 
     model, _ = request.getfixturevalue(name)
     sm, ids, threads = SwiftModel(model), list(range(1000, 1038)), torch.get_num_threads()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from swiftdecode import Generator, UserError
-from swiftdecode.batch import Batch
-from swiftdecode.logprobs import token_logprobs
+from swiftdecode.decoding.logprobs import token_logprobs
+from swiftdecode.engine.batch import Batch
 
 PROMPT = "Write the numbers from one to twenty, separated by commas."
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=3)
@@ -80,7 +80,7 @@ def test_bad_logprobs_is_a_user_error(smollm, bad):
 def test_prompt_logprobs_are_what_generating_those_tokens_reports(smollm):
     """Scoring a text (the server's echo) gives each token the entry the engine reports when it generates it:
     a prompt row depends only on the tokens before it, chunked or not."""
-    from swiftdecode.logprobs import prompt_logprobs
+    from swiftdecode.decoding.logprobs import prompt_logprobs
 
     gen = Generator(*smollm, method="swift")
     ids = gen.prompts.encode("The capital of France is", False)

@@ -55,7 +55,7 @@ def test_swift_greedy_is_plain_greedy(smollm, spec_bench, monkeypatch):
     to stop it, so the skip set changes under the drafts whatever the timings."""
     from dataclasses import replace
 
-    from swiftdecode.engine import preset
+    from swiftdecode.engine.generator import preset
 
     model, tok = smollm
     cfg = preset("swift")
@@ -120,7 +120,7 @@ def test_qwen_quantized_lossless_and_close_to_hf(qwen, spec_bench):
 def test_torch_fallback_flips_are_counted(smollm_fp32, spec_bench):
     """Where the kernel cannot run, verification uses torch's matmuls and attention, which are not batch-invariant:
     outputs that differ from `ar` there are counted and reported (the count may be non-zero), not hidden."""
-    from swiftdecode.fastpath import accelerate
+    from swiftdecode.runtime.fastpath import accelerate
 
     model, tok = smollm_fp32
     accelerate(model, "torch")
@@ -148,7 +148,7 @@ def test_two_models_in_one_process_keep_their_own_paths(smollm, spec_bench):
     each keeps its own path and state. The kernel model stays lossless and sparse-drafts nothing it should not;
     the torch model's outputs do not depend on the other model (its flips against `ar` are counted)."""
     import swiftdecode
-    from swiftdecode.fastpath import FastLinear, info_of
+    from swiftdecode.runtime.fastpath import FastLinear, info_of
 
     quant, tok = smollm
     floats, _ = swiftdecode.load("smollm2-135m", weights="fp32", fast_path="torch", progress=False)

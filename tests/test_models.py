@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftdecode.errors import UserError
+from swiftdecode.base.errors import UserError
 from swiftdecode.hub import (
     GGUF_FILE,
     MARKER,

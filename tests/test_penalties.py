@@ -8,7 +8,7 @@ import torch
 from conftest import batched_and_solo, teacher_forced_rows
 
 from swiftdecode import Generator, UserError
-from swiftdecode.sampling import Sampler, argmax
+from swiftdecode.decoding.sampling import Sampler, argmax
 
 PROMPT = "Write the numbers from one to twenty, separated by commas."
 PENALTIES = dict(frequency_penalty=1.0, presence_penalty=0.5)
@@ -47,7 +47,7 @@ def test_penalized_batch_equals_solo(smollm):
 
 
 def test_no_penalty_leaves_the_logits_alone():
-    from swiftdecode.params import SamplingParams
+    from swiftdecode.base.params import SamplingParams
 
     sampler = Sampler(SamplingParams(), seed=0)
     sampler.count([1, 2, 2])

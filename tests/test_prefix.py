@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from swiftdecode import Generator
-from swiftdecode.batch import Batch
-from swiftdecode.cache import SwiftCache
-from swiftdecode.model import SwiftModel
-from swiftdecode.prefix import PrefixStore
+from swiftdecode.engine.batch import Batch
+from swiftdecode.runtime.cache import SwiftCache
+from swiftdecode.runtime.model import SwiftModel
+from swiftdecode.runtime.prefix import PrefixStore
 
 
 def filled(tokens: list[int], layers: int = 2) -> SwiftCache:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from swiftdecode.rowcost import CopyPlanner, CostLine, DepthAcceptance, tokens_that_pay
+from swiftdecode.drafters.rowcost import CopyPlanner, CostLine, DepthAcceptance, tokens_that_pay
 
 
 def fitted(a: float, b: float, rows=(1, 2, 4, 8, 12, 16)) -> CostLine:
@@ -81,7 +81,7 @@ def test_copies_are_scored_against_what_was_generated():
 
 def test_tokens_a_grammar_forces_come_before_an_ngram_copy():
     """With a grammar that forces tokens (a tool call's frame), they are the branch, scored under FORCED."""
-    from swiftdecode.rowcost import FORCED
+    from swiftdecode.drafters.rowcost import FORCED
 
     forced = SimpleNamespace(forced=lambda limit: [7, 8, 9, 6][:limit])
     req = SimpleNamespace(ctx=[1, 2, 3, 4, 5, 9, 1, 2, 3], copies=[], sampler=SimpleNamespace(constraint=forced))
@@ -96,7 +96,7 @@ def test_ngram_continuation_matches_a_plain_scan():
     n-gram, token-aligned), on contexts whose 4-byte tokens share bytes (small and huge ids)."""
     import random
 
-    from swiftdecode.drafting import ngram_continuation
+    from swiftdecode.drafters.layer_skip.draft import ngram_continuation
 
     def scan(ctx, length, n_max=3, n_min=2):
         for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from swiftdecode import Generator, UserError
-from swiftdecode.concurrency import serving
-from swiftdecode.server import create_app
+from swiftdecode.apps.bench.concurrency import serving
+from swiftdecode.apps.server import create_app
 
 MODEL = "smollm2-135m"
 KEY = "sk-test"
@@ -66,7 +66,7 @@ def metrics(url: str, key: str | None = KEY) -> dict[str, float]:
 def test_server_is_ready_only_after_the_worker_warmed_up(gen, monkeypatch):
     """The worker's warm-up forward borrows the generator's cache: until it is done, a caller sharing the generator
     (these tests compute references with it) would see its own cache swapped out mid-generation."""
-    import swiftdecode.server.worker as worker
+    import swiftdecode.apps.server.worker as worker
 
     done, real = [], worker.warm_up
     monkeypatch.setattr(worker, "warm_up", lambda sm: (time.sleep(0.5), real(sm), done.append(True)))
@@ -152,9 +152,9 @@ def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
     streamed): its text_offset still counts the characters of the tokens before it."""
     import asyncio
 
-    from swiftdecode.logprobs import TokenLogprob
-    from swiftdecode.request import GenerationResult, GenerationStats, StreamEvent
-    from swiftdecode.server.streaming import sse_chunks
+    from swiftdecode.apps.server.streaming import sse_chunks
+    from swiftdecode.decoding.logprobs import TokenLogprob
+    from swiftdecode.decoding.request import GenerationResult, GenerationStats, StreamEvent
 
     texts = {1: "ab", 2: "c", 3: "de"}
     entries = [TokenLogprob(t, -0.5, ()) for t in texts]
@@ -180,7 +180,7 @@ def test_streamed_text_offsets_count_the_tokens_before_whatever_the_chunking():
 def test_echo_scores_the_prompt(gen, client, url):
     """/v1/completions' echo (as lm-eval's local-completions uses it): the prompt's tokens with their
     log-probabilities, the first without one, then the answer's, which are the engine's."""
-    from swiftdecode.logprobs import prompt_logprobs
+    from swiftdecode.decoding.logprobs import prompt_logprobs
 
     prompt = "The capital of France is"
     ids = gen.prompts.encode(prompt, False)
@@ -570,7 +570,7 @@ def test_kv_budget_queues_what_does_not_fit_and_rejects_what_never_can(gen):
 def test_chat_turns_reuse_the_prefix_cache_and_answer_as_without_it(smollm, gen):
     """A second chat turn copies the first turn's cache entries (usage reports them as cached tokens, /metrics
     counts them) and answers exactly as a server without the prefix cache does."""
-    from swiftdecode.cli import main
+    from swiftdecode.apps.cli import main
 
     warm = Generator(*smollm, method="swift", prefix_cache_gb=0.25)
     with serving(create_app(warm, MODEL)) as base:

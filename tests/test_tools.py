@@ -18,9 +18,9 @@ import pytest
 from conftest import batched_and_solo
 
 from swiftdecode import Generator
-from swiftdecode.concurrency import serving
-from swiftdecode.server import create_app
-from swiftdecode.tools import CallParser, check_tools, gathered, split_answer
+from swiftdecode.apps.bench.concurrency import serving
+from swiftdecode.apps.server import create_app
+from swiftdecode.decoding.tools import CallParser, check_tools, gathered, split_answer
 
 MODEL = "qwen2.5-coder-0.5b"
 WEATHER = {

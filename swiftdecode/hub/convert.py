@@ -10,7 +10,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from swiftdecode.errors import UserError
+from swiftdecode.base.errors import UserError
 from swiftdecode.hub.entries import check_space, entry_ok, locked, resolve_cache_dir, write_entry
 
 GGUF_FILE = "model.gguf"  # the model's GGUF inside a quantized-path cache entry

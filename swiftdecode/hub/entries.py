@@ -14,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from swiftdecode.errors import UserError
+from swiftdecode.base.errors import UserError
 
 MARKER = ".swiftdecode-complete.json"
 FORMAT = 1  # bump to invalidate all cache entries when the conversion changes

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from swiftdecode.errors import UserError
+from swiftdecode.base.errors import UserError
 from swiftdecode.hub.convert import GGUF_FILE, convert_gguf, quiet
 from swiftdecode.hub.entries import entry_ok, resolve_cache_dir
 from swiftdecode.hub.registry import REGISTRY, known_names
@@ -77,7 +77,7 @@ def _looks_like_hub_id(s: str) -> bool:
 def load_model(name_or_path: str, *, cache_dir=None, dtype=None, progress: bool = True):
     """Load (model in eval mode, tokenizer) with float weights from a registry name, HF folder, `.gguf` file or
     hub id. Registry models and GGUF files are dequantised once and cached (`--weights fp32`); the quantized
-    path is `locate_gguf` + `swiftdecode.quantized.build`.
+    path is `locate_gguf` + `swiftdecode.runtime.quantized.build`.
     dtype: torch dtype of the weights (default float32).
     """
     import torch

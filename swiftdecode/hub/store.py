@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from swiftdecode.errors import UserError
+from swiftdecode.base.errors import UserError
 from swiftdecode.hub import convert
 from swiftdecode.hub.entries import check_space, entry_ok, locked, remove_leftovers, resolve_cache_dir
 from swiftdecode.hub.registry import REGISTRY, WEIGHTS, ModelSpec, known_names

@@ -2,7 +2,7 @@
 
 The layer table (weight descriptors, biases, norm weights) is bound once; a call passes the rows, the rotary
 tables, each sequence's mask and each (sequence, layer) cache buffer. The loop runs the same kernels in the same
-order as the Python forward (swiftdecode/lean.py), so the two return the same bits.
+order as the Python forward (swiftdecode/runtime/lean.py), so the two return the same bits.
 """
 
 from __future__ import annotations

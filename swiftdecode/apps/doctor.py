@@ -1,0 +1,275 @@
+"""`swiftdecode doctor`: the CPU, the matmul path, and what a forward of k new tokens costs on it.
+
+Speculative decoding pays only if verifying k tokens in one forward costs about one token's forward. This
+times full-model forwards of k = 1, 2, 4, 8, 16 new tokens after a prompt of --context tokens, on torch's
+own path and on the fast path side by side (interleaved repeats, medians), next to a memory copy bandwidth.
+On quantized weights it also draws the roofline: each k's time against max(weight bytes / bandwidth, the weight
+products' multiply-accumulates / the measured peak of the instruction the kernel uses), so anyone can see how far
+each k is from the machine's limit (attention and the float work between products are left out of the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+
+from swiftdecode.base.config import isa_of
+from swiftdecode.base.errors import UserError
+
+KS = (1, 2, 4, 8, 16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from swiftdecode.apps.pull_cli import add_model_argument
+
+    add_model_argument(parser)
+    parser.add_argument("--fast-path", default="auto", help="fast path to compare with torch (default: auto)")
+    parser.add_argument("--context", type=int, default=200, help="tokens in the cache before timing (default 200)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed forwards per (path, k); median (default 7)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        return m.group(1).strip() if m else platform.processor()
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def blas_info() -> str:
+    import torch
+
+    cfg = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", cfg)
+    found = [ln.strip(" -") for ln in cfg.splitlines() if re.search(r"Math Kernel|OpenBLAS|MKL-DNN|oneDNN", ln)]
+    return "; ".join([f"BLAS_INFO={blas.group(1)}" if blas else "BLAS_INFO=?", *found])
+
+
+def copy_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Best-of-n large tensor copy, counting bytes read + written (GB/s)."""
+    import torch
+
+    src = torch.ones(mib << 18)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes a forward must read: every parameter except input-only embedding tables (counted once)."""
+    import torch
+
+    emb = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lin = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    from swiftdecode.kernels.modules import QuantLinear
+
+    seen: dict[int, int] = {id(m.qweight): m.qweight.nbytes for m in model.modules() if isinstance(m, QuantLinear)}
+    for p in model.parameters():
+        if p.data_ptr() not in emb or p.data_ptr() in lin:
+            seen[p.data_ptr()] = p.nbytes
+    return sum(seen.values())
+
+
+def weight_format(model) -> str:
+    """How the matmul weights are held: the GGUF block formats of the quantized path, or the float dtype."""
+    from collections import Counter
+
+    from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
+
+    kinds = Counter(m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    if not kinds:
+        return f"{next(model.parameters()).dtype} (dequantised)".replace("torch.", "")
+    return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
+INSTRUCTION = {"avx512": "vpdpbusd zmm", "avx2": "vpmaddubsw ymm"}  # what csrc/roofline.cpp times per build
+
+
+def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
+    """The bound of each k-row forward on quantized weights (None on float weights): memory ms (every weight
+    byte once at the copy bandwidth), compute ms (k rows x the weight products' MACs at the instruction's peak),
+    their max, and the forward's time over it."""
+    import torch
+
+    from swiftdecode.kernels.modules import QuantLinear
+
+    lins = {id(m.qweight): m for m in model.modules() if isinstance(m, QuantLinear)}
+    if not lins:
+        return None
+    kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
+    peak = kernel.peak_macs(threads)
+    macs = sum(m.qweight.n * m.qweight.k for m in lins.values())
+    memory_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
+    compute_ms = {k: k * macs / peak * 1e3 for k in KS}
+    bound = {k: max(memory_ms, compute_ms[k]) for k in KS}
+    return {
+        "instruction": f"{INSTRUCTION[kernel.isa]} ({kernel.isa} build)",
+        "peak_gmacs": peak / 1e9,
+        "threads": threads,
+        "macs_per_row": macs,
+        "memory_ms": memory_ms,
+        "compute_ms": compute_ms,
+        "bound_ms": bound,
+        "over_bound": {k: forward_ms[k] / bound[k] for k in KS},
+    }
+
+
+def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict[int, float]]]:
+    """Median wall and calling-thread CPU ms of the engine's k-token forward (a verification: k causal rows and
+    their full-vocabulary logits) after `context` tokens, per fast-path mode ({path: {"wall": {k: ms}, "cpu":
+    {k: ms}}}); repeats interleaved. With one torch thread, CPU time is the forward's own work, unaffected by
+    other processes taking the cores."""
+    import torch
+
+    from swiftdecode.runtime.fastpath import accelerate
+    from swiftdecode.runtime.model import SwiftModel
+
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    new = torch.randint(0, vocab, (max(KS),), generator=g).tolist()
+    times = {p: {c: {k: [] for k in KS} for c in ("wall", "cpu")} for p in paths}
+    sm, caches = SwiftModel(model), {}
+    for path in paths:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
+        accelerate(model, path)
+        sm.reset()
+        sm.prefill(prompt)
+        caches[path] = sm.cache
+    for rep in range(repeats + 1):  # first round warms up
+        for path in paths:
+            accelerate(model, path)
+            sm.cache = caches[path]
+            for k in KS:
+                causal = torch.ones(k, k, dtype=torch.bool).tril_()
+                t, c = time.perf_counter(), time.thread_time()
+                sm.logits(sm.forward(new[:k], torch.arange(context, context + k), causal))
+                if rep:
+                    times[path]["cpu"][k].append((time.thread_time() - c) * 1e3)
+                    times[path]["wall"][k].append((time.perf_counter() - t) * 1e3)
+                sm.cache.truncate(context)
+    return {p: {c: {k: statistics.median(v) for k, v in d.items()} for c, d in ts.items()} for p, ts in times.items()}
+
+
+def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 7) -> dict:
+    """Everything `doctor` prints, as a dict; leaves `model` accelerated with `fast_path`."""
+    import torch
+
+    from swiftdecode.runtime.fastpath import accelerate
+    from swiftdecode.runtime.model import SwiftModel
+
+    if context < 1 or repeats < 1:
+        raise UserError("--context and --repeats must be >= 1")
+    info = accelerate(model, fast_path)
+    paths = ["torch"] + ([fast_path] if info.path != "torch" else [])
+    ms = time_forwards(model, paths, context, repeats)
+    info = accelerate(model, fast_path)
+    sm, nbytes = SwiftModel(model), weight_bytes(model)
+
+    per_path = {
+        ("torch" if p == "torch" else info.path): {
+            "forward_ms": ms[p]["wall"],
+            "ratio": {k: v / ms[p]["wall"][1] for k, v in ms[p]["wall"].items()},
+            "effective_gbs": {k: nbytes / v / 1e6 for k, v in ms[p]["wall"].items()},
+            "forward_cpu_ms": ms[p]["cpu"],
+        }
+        for p in paths
+    }
+    used, bandwidth = per_path[info.path], copy_bandwidth_gbs()
+    return {
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "blas": blas_info(),
+        "path": info.path,
+        "reason": info.reason,
+        "weight_mb": nbytes / 1e6,
+        "weight_format": weight_format(model),
+        "layers": sm.layer_loop(),
+        "kv_bytes_per_token": sm.kv_bytes_per_token(),
+        "context": context,
+        "forward_ms": used["forward_ms"],
+        "ratio": used["ratio"],
+        "bandwidth_gbs": bandwidth,
+        "effective_gbs": used["effective_gbs"][1],
+        "paths": per_path,
+        "roofline": roofline(model, used["forward_ms"], nbytes, bandwidth) if info.path != "torch" else None,
+    }
+
+
+LAYER_LOOPS = {
+    "native": "native loop (every layer in one C call: kernels/csrc/decoder.cpp)",
+    "python": "lean Python loop over the kernel library (some projections are not quantized)",
+    "transformers": "transformers' modules (architecture without a lean forward, or the torch path)",
+}
+
+
+def format_report(d: dict) -> str:
+    lines = [
+        f"CPU:        {d['cpu']}   torch threads: {d['threads']}",
+        f"torch:      {d['torch']}   {d['blas']}",
+        f"matmul:     {d['path']} — {d['reason']}",
+        *(
+            ["lossless:   verification on torch is not batch-invariant here (near-ties may flip a token vs ar)"]
+            if d["path"] == "torch"
+            else []
+        ),
+        f"layers:     {LAYER_LOOPS[d['layers']]}",
+        f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
+        f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
+        f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)",
+        "",
+        f"{'path':<16}" + "".join(f"{f'k={k}':>16}" for k in KS) + f"{'GB/s @k=1':>12}",
+    ]
+    for name, p in d["paths"].items():
+        cells = "".join(f"{p['forward_ms'][k]:8.1f}ms {p['ratio'][k]:4.2f}x" for k in KS)
+        lines.append(f"{name:<16}{cells}{p['effective_gbs'][1]:12.1f}")
+    if len(d["paths"]) == 2:
+        t, f = d["paths"]["torch"]["forward_ms"], d["forward_ms"]
+        lines.append(f"{'speedup':<16}" + "".join(f"{t[k] / f[k]:15.2f}x" for k in KS))
+    if r := d.get("roofline"):
+        lines += [
+            "",
+            f"roofline:   {r['peak_gmacs']:.0f} GMAC/s peak of {r['instruction']}, {r['threads']} threads; "
+            f"{r['macs_per_row'] / 1e6:.0f} M MACs a row in the weight products",
+            f"{'compute bound':<16}" + "".join(f"{r['compute_ms'][k]:8.1f}ms{'':6}" for k in KS),
+            f"{'bound':<16}"
+            + "".join(f"{r['bound_ms'][k]:8.1f}ms{'':6}" for k in KS)
+            + f"   (memory: {r['memory_ms']:.1f} ms)",
+            f"{'forward / bound':<16}" + "".join(f"{r['over_bound'][k]:15.2f}x" for k in KS),
+        ]
+    if d["threads"] == 1:
+        lines += ["", "CPU time of the forward (1 thread: its own work, whatever else runs on the machine)"]
+        for name, p in d["paths"].items():
+            c = p["forward_cpu_ms"]
+            lines.append(f"{name:<16}" + "".join(f"{c[k]:8.1f}ms {c[k] / c[1]:4.2f}x" for k in KS))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import swiftdecode
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
+    load_path = args.fast_path if isa_of(args.fast_path) else "torch"
+    model, _ = swiftdecode.load(
+        args.model, cache_dir=args.cache_dir, fast_path=load_path, weights=args.weights, progress=not args.json
+    )
+    d = diagnose(model, args.fast_path, args.context, args.repeats)
+    print(json.dumps(d, indent=2) if args.json else format_report(d))
+    return 0

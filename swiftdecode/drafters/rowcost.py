@@ -1,0 +1,112 @@
+"""How much of an n-gram continuation a round verifies: a forward's seconds as a line in its row count, and the
+chance that a copied token at each depth is accepted, by the order of the n-gram match; both measured on live
+rounds. A copy is scored against the tokens actually generated whether or not it was verified, so every round
+that had a match teaches the table: no round has to be spent on copying to learn whether copying pays.
+
+Why: a forward's first row pays for streaming the weights, each further row only for its arithmetic, and on a
+compute-bound CPU kernel that arithmetic is not small (Qwen2.5-0.5B on a 2-core Zen 5: 16 rows cost 2.0x one,
+8 rows 1.4x; `swiftdecode doctor` prints the curve). A copied token is worth its row while its acceptance chance
+raises the tokens per second of the forward it joins: alone, it pays at a modest chance; with 8 requests
+decoding together a forward already yields 8 tokens, so an extra row must be accepted nearly always.
+"""
+
+from __future__ import annotations
+
+from swiftdecode.decoding.request import Request
+from swiftdecode.drafters.layer_skip.draft import ngram_continuation
+
+# The fit and the acceptance counts keep this much per observation (about the last 100): costs drift with the
+# context length, acceptance with the text.
+KEEP = 0.99
+PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, proposed) each depth starts from: an even chance, overruled in a few rounds
+MAX_DEPTH = 16  # depths counted; deeper copied tokens share the last count
+FORCED = 99  # the acceptance table's key for the tokens a grammar forces (a tool call's frame), beside n-gram orders
+
+
+class CostLine:
+    """seconds(rows) ≈ a + b·rows, by decayed least squares over the forwards recorded."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # decayed Σw, Σw·r, Σw·r², Σw·t, Σw·r·t
+
+    def record(self, rows: int, seconds: float) -> None:
+        new = (1.0, rows, rows * rows, seconds, rows * seconds)
+        self.sums = [KEEP * s + v for s, v in zip(self.sums, new, strict=True)]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None while the rows seen do not vary enough to tell the slope."""
+        w, r, r2, t, rt = self.sums
+        var = w * r2 - r * r
+        if w <= 0 or var <= 1e-9 * w * w:
+            return None
+        b = (w * rt - r * t) / var
+        return (t - b * r) / w, b
+
+
+class DepthAcceptance:
+    """P(a copied token at depth d is accepted), d = 1 the root's child: the chance that the first d copied
+    tokens equal the tokens generated."""
+
+    def __init__(self):
+        self.accepted = [PRIOR_ACCEPT[0]] * MAX_DEPTH
+        self.proposed = [PRIOR_ACCEPT[1]] * MAX_DEPTH
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A copy of `proposed` tokens whose first `accepted` were the ones generated."""
+        for d in range(min(proposed, MAX_DEPTH)):
+            self.proposed[d] = KEEP * self.proposed[d] + 1.0
+            self.accepted[d] = KEEP * self.accepted[d] + (d < accepted)
+
+    def accept(self, depth: int) -> float:
+        d = min(depth, MAX_DEPTH) - 1
+        return self.accepted[d] / self.proposed[d]
+
+
+def tokens_that_pay(line: CostLine, acceptance: DepthAcceptance, rows: int, cap: int) -> int:
+    """How many copied tokens (at most `cap`) to add to a forward of `rows` rows that yields `rows` tokens: while
+    the next one's acceptance chance p raises tokens per second, (tokens + p) / (seconds + b) > tokens / seconds,
+    with seconds = a + b·rows. `cap` until the line exists (so the rows vary and it can form)."""
+    fit = line.line()
+    if fit is None or fit[1] <= 0 or fit[0] + fit[1] * rows <= 0:
+        return cap
+    b = fit[1]
+    tokens, seconds, n = float(rows), fit[0] + b * rows, 0
+    while n < cap and acceptance.accept(n + 1) * seconds > b * tokens:
+        n, tokens, seconds = n + 1, tokens + acceptance.accept(n + 1), seconds + b
+    return n
+
+
+class CopyPlanner:
+    """One request's forward cost line and copy acceptance by n-gram match order, learned across requests; a
+    request keeps its own pending copies (`plan`'s `pending`: start, tokens, order). Batched forwards keep a line
+    of their own (the kernel's cost per row is not one line from 1 to 16 rows: it steps where its row blocks do)."""
+
+    def __init__(self):
+        self.line = CostLine()
+        self.acceptance: dict[int, DepthAcceptance] = {}
+
+    def plan(self, req: Request, rows: int, length: int, line: CostLine | None = None) -> tuple[list[int], int]:
+        """Score the request's pending copies its context now decides; then the tokens its grammar forces or else
+        its n-gram continuation (at most `length` tokens) and how many of them pay in a forward of `rows` rows
+        ([], 0 without either), by `line` (default: this planner's, of one request's forwards)."""
+        ctx, constraint = req.ctx, req.sampler.constraint
+        self.resolve(ctx, req.copies)
+        forced = constraint.forced(length) if constraint is not None else []
+        copied, order = (forced, FORCED) if forced else ngram_continuation(ctx, length)
+        if not order:
+            return [], 0
+        req.copies.append((len(ctx), copied, order))
+        acceptance = self.acceptance.setdefault(order, DepthAcceptance())
+        return copied, tokens_that_pay(line or self.line, acceptance, rows, len(copied))
+
+    def resolve(self, ctx: list[int], pending: list) -> None:
+        """Record each pending copy whose fate ctx tells (a mismatch, or all its tokens generated); keep the rest."""
+        undecided = []
+        for start, copied, order in pending:
+            known = ctx[start : start + len(copied)]
+            k = next((i for i, (a, b) in enumerate(zip(known, copied, strict=False)) if a != b), len(known))
+            if k < len(known) or len(known) == len(copied):
+                self.acceptance[order].record(len(copied), k)
+            else:
+                undecided.append((start, copied, order))
+        pending[:] = undecided

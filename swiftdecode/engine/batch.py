@@ -1,0 +1,168 @@
+"""Continuous batching: requests join and leave between rounds; each round, every active request's tree goes
+through the full model in one forward over all their rows, each request attending only to its own cache.
+
+A request alone runs the engine's own rounds (skip-model drafts, search). With company, each proposes as much
+of its n-gram continuation as measured to pay (`rowcost`), or only its last token, and the batch shares one
+pass over the weights: on a CPU a
+forward of 8 rows costs well under twice a forward of one, so decoding requests together multiplies
+throughput. A joining prompt is prefilled in chunks inside those rounds, so the others keep decoding. Every
+row's result depends only on its own sequence (batch-invariant kernels, per-request attention; a chunked
+prefill writes the same cache entries as a whole one), and acceptance is `verify`'s, so each request's
+output is exactly what it would be alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from swiftdecode.decoding.request import Request, StreamEvent
+from swiftdecode.decoding.verification import verify
+from swiftdecode.drafters.layer_skip.draft import add_chain
+from swiftdecode.drafters.rowcost import CostLine
+from swiftdecode.engine.generator import Generator, refill
+from swiftdecode.runtime.tree import Tree
+
+# Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
+# measured: rowcost.CopyPlanner); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
+# proportionally (swiftdecode doctor prints the curve).
+BATCH_ROWS = 16
+# Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
+# their tokens keep flowing while a long prompt (thousands of tokens) is read.
+PREFILL_CHUNK = 256
+NOT_YET = object()  # a joining request's round that prefilled a chunk of its prompt: nothing to report
+
+
+class Batch:
+    """The requests decoding together on one Generator (its model, search state and method)."""
+
+    def __init__(self, gen: Generator):
+        self.gen = gen
+        self.active: list[Request] = []  # decoding
+        self.joining: list[Request] = []  # prompts being prefilled in chunks, in arrival order
+        self.prefilled: dict[Request, int] = {}  # prompt tokens of each joining request already in its cache
+        self.rows = 0  # rows of the last batched forward (0 when the last round ran alone)
+        self.line = CostLine()  # seconds of a batched forward by its rows: how many copied tokens pay
+
+    def __len__(self) -> int:
+        return len(self.active) + len(self.joining)
+
+    def add(self, req: Request) -> StreamEvent | None:
+        """A new request (or an evicted one, whose context is prefilled again): prefilled now if nothing else runs
+        (or the engine must see its whole prefill), else in chunks over the next rounds. Returns its first event
+        if it has one yet."""
+        if not len(self) or not self.gen.plain_prefill():
+            event = refill(self.gen.sm, req) if req.resumed else self.gen.begin(req)
+            if not req.done:
+                self.active.append(req)
+            return event
+        self.joining.append(req)
+        self.prefilled[req] = self.gen.take_prompt(req)
+        return None
+
+    def remove(self, req: Request) -> None:
+        if req in self.active:
+            self.active.remove(req)
+        if req in self.joining:
+            self.joining.remove(req)
+            del self.prefilled[req]
+
+    def step(self, hold: set[Request] = frozenset()) -> list[tuple[Request, StreamEvent | Exception | None]]:
+        """One round for every active request not in `hold` (and a prompt chunk of the first joining one);
+        requests that finish leave the batch, and so does a request whose own part of the round raised (its
+        sampler, grammar or stop rules): its exception is its event, and the others' rounds are unaffected."""
+        reqs = [r for r in self.active if r not in hold]
+        if not reqs and not self.joining:
+            return []
+        if len(reqs) == 1 and not self.joining:
+            req, self.rows = reqs[0], 0
+            out = [(req, self._settled(req, self.gen.step, req))]
+        else:
+            out = self._batched_round(reqs)
+        self.active = [r for r in self.active if not r.done]
+        return out
+
+    def _batched_round(self, reqs: list[Request]) -> list[tuple[Request, StreamEvent | Exception | None]]:
+        gen, sm = self.gen, self.gen.sm
+        speculate = gen.cfg is not None and "ngram" in gen.cfg.modes
+        cap = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
+        trees, parts = [], []
+        for req in reqs:
+            tree = Tree(req.ctx[-1])
+            copied, pays = gen.copies.plan(req, len(reqs), min(cap, req.room - 1), self.line)
+            add_chain(tree, copied[:pays], pays)
+            trees.append(tree)
+            parts.append((tree.input_ids(), tree.positions(req.cache.length), tree.ancestry(), req.cache))
+        joiner = self.joining[0] if self.joining else None
+        if joiner is not None:  # the whole rest of its prompt when nobody decodes, else one chunk
+            done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
+            end = goal if not reqs else min(done + PREFILL_CHUNK, goal)
+            causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
+            parts.append((joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache))
+            picks = end == goal and not joiner.resumed  # its last prompt row's logits choose its first token
+        starts = [req.cache.length for req in reqs]
+        self.rows = sum(len(part[0]) for part in parts)
+        t0 = time.perf_counter()
+        hidden = sm.forward_batch(parts)
+        rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if joiner is not None and picks else [])
+        logits = sm.logits(torch.cat(rows)).split([len(h) for h in rows]) if rows else []
+        elapsed = time.perf_counter() - t0
+        if joiner is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
+            self.line.record(self.rows, elapsed)
+        seconds = elapsed / len(parts)  # the shared forward, split evenly
+        out = []
+        for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
+            out.append((req, self._settled(req, self._verified, req, tree, start, scores, seconds)))
+        if joiner is not None:
+            last = logits[-1] if picks else None
+            out.append((joiner, self._settled(joiner, self._prefilled, joiner, end == goal, seconds, last)))
+        return [(req, event) for req, event in out if event is not NOT_YET]
+
+    def _settled(self, req: Request, part: Callable, *args) -> StreamEvent | Exception | None:
+        """part(*args): one request's own part of a round. If it raises, the request leaves the batch and the
+        exception is returned as its event: every row of the round is its own request's alone (batch-invariant
+        kernels), so the others go on exactly as they would have."""
+        try:
+            return part(*args)
+        except Exception as e:
+            self.remove(req)
+            return e
+
+    def _verified(
+        self, req: Request, tree: Tree, start: int, scores: torch.Tensor, seconds: float
+    ) -> StreamEvent | None:
+        """Verify a request's tree against its logits rows [len(tree) + 1, V], keep the accepted path's cache
+        entries and take its tokens."""
+        path, bonus = verify(tree, scores, req.sampler, start)
+        kept = [0] + [i + 1 for i in path]  # rows that chose the round's tokens
+        req.cache.keep(start, kept)
+        _account(req, tree, path, seconds)
+        rows = scores[kept] if req.top_logprobs is not None else None
+        return self.gen.advance(req, [tree.tokens[i] for i in path] + [bonus], rows)
+
+    def _prefilled(self, req: Request, last: bool, seconds: float, logits) -> StreamEvent | None | object:
+        """Record a prefilled chunk; after the `last` one the request takes its first token (from `logits`; an
+        evicted request takes none) and starts decoding (NOT_YET before: a chunk has no event)."""
+        req.stats.time_split["prefill"] += seconds
+        self.prefilled[req] = req.cache.length
+        if not last:
+            return NOT_YET
+        self.remove(req)
+        first = [] if logits is None else [req.sampler.pick(logits[0], len(req.ids))]
+        event = self.gen.advance(req, first, logits[:1]) if first else None
+        if not req.done:
+            self.active.append(req)
+        return event
+
+
+def _account(req: Request, tree: Tree, path: list[int], seconds: float) -> None:
+    """Count a batched round in the request's stats: its kind, time share and accepted tokens by source."""
+    s, kind = req.stats, "ngram" if len(tree) else "plain"
+    s.batched_rounds += 1
+    s.round_kinds[kind] += 1
+    s.round_seconds[kind] += seconds
+    s.time_split["verify"] += seconds
+    if len(tree):
+        s.count_tree(tree, path)
