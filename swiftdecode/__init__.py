@@ -19,9 +19,13 @@ def __getattr__(name: str):
 
 
 def load(
-    name_or_path: str = "smollm2-135m", *, fast_path: str = "auto", cache_dir: str | None = None,
-    weights: str = "gguf", progress: bool = True,
-):  # fmt: skip
+    name_or_path: str = "smollm2-135m",
+    *,
+    fast_path: str = "auto",
+    cache_dir: str | None = None,
+    weights: str = "gguf",
+    progress: bool = True,
+):
     """Load a registry model, HF folder, .gguf file or hub id as (model, tokenizer), with the fast CPU
     matmul path installed (`fast_path="torch"` keeps torch's own attention and float matmuls).
 

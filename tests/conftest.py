@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from swiftdecode.runtime.cache import SwiftCache
+
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench.jsonl"
 
 
@@ -104,5 +106,5 @@ def batched_and_solo(gen, mix: list[tuple[str, dict]], max_new_tokens: int) -> t
 def teacher_forced_rows(gen, prompt: str, answer: list[int]):
     """Logits [len(answer), V] of a fresh forward over the chat prompt and answer: row i chose answer[i]."""
     ids = gen.chat_ids([{"role": "user", "content": prompt}])
-    gen.sm.reset()
-    return gen.sm.logits(gen.sm.prefill(ids + answer)[len(ids) - 1 :]), ids
+    hidden = gen.sm.prefill(ids + answer, SwiftCache(gen.sm.n_layers))
+    return gen.sm.logits(hidden[len(ids) - 1 :]), ids

@@ -288,10 +288,11 @@ def test_a_reader_that_never_reads_holds_a_bounded_buffer(smollm):
     from swiftdecode.apps.server.jobs import MAX_UNREAD, Job, Prompt
     from swiftdecode.apps.server.metrics import Metrics
     from swiftdecode.apps.server.worker import Worker
+    from swiftdecode.base.params import check_params
 
     worker = Worker(Generator(*smollm, method="ar"), 4, Metrics(), max_batch=4)
     assert worker.warm.wait(60)
-    params = {"max_new_tokens": 1000, "temperature": 0.0, "logprobs": None}
+    params = {"params": check_params(1000)}  # the engine keywords the server's protocol gives a job
     stuck = Job(Prompt("1, 2, 3, 4, 5, 6,", False), params, asyncio.new_event_loop())
     try:
         worker.submit(stuck)
@@ -301,7 +302,7 @@ def test_a_reader_that_never_reads_holds_a_bounded_buffer(smollm):
             time.sleep(0.01)
         held = stuck.unread
         loop = asyncio.new_event_loop()
-        other = Job(Prompt("Hi", False), {**params, "max_new_tokens": 8}, loop)
+        other = Job(Prompt("Hi", False), {"params": check_params(8)}, loop)
         worker.submit(other)
         items = loop.run_until_complete(asyncio.wait_for(drain(other), 60))
         assert items[-1] is END and any(getattr(i, "result", None) for i in items)
@@ -455,8 +456,9 @@ def test_a_chat_without_max_tokens_reserves_what_it_holds(gen, url):
     """Its budget is the rest of the context, but while it runs it reserves about what its cache holds."""
     content = "Count from 1 to 1000, one number per line."
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True, "temperature": 0}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         lines = r.iter_lines()
         for _ in range(8):  # a few chunks in: it is decoding
             next(lines)

@@ -4,6 +4,7 @@ apps → engine → decoding → runtime → kernels → hub → base (README: A
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,40 @@ def test_only_apps_import_cli_web_and_plotting_libraries():
         if module.split(".")[0] in APP_ONLY
     ]
     assert not misplaced, misplaced
+
+
+def test_no_formatter_escapes():
+    """The formatter's layout holds everywhere: no comment that switches it off for a line or a block (say, to
+    squeeze code under a size limit)."""
+    escapes = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}"
+        for path in [*PACKAGE.rglob("*.py"), *PACKAGE.parent.joinpath("tests").rglob("*.py")]
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)", line)
+    ]
+    assert not escapes, escapes
+
+
+# The speculative round, for one request and for a batch: (module, function or Class.method) it reads through.
+ROUND = [
+    ("engine.generator", "Generator._round"),
+    ("engine.round", "Proposer.propose"),
+    ("engine.round", "Proposer.copy"),
+    ("engine.round", "Proposer.observe"),
+    ("engine.round", "forward_trees"),
+    ("engine.round", "settle"),
+    ("decoding.verification", "verify"),
+]
+ROUND_LINES, ROUND_FILES = 80, 3
+
+
+def test_one_round_reads_in_80_lines_across_3_files():
+    mods, lines = modules(), 0
+    for module, dotted in ROUND:
+        scope = mods[module]
+        for part in dotted.split("."):
+            scope = next(n for n in scope.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part)
+        lines += scope.end_lineno - scope.lineno + 1
+    assert lines <= ROUND_LINES and len({m for m, _ in ROUND}) <= ROUND_FILES, lines
+    batch = _source("engine.batch")  # the batch's round goes through the same verification
+    assert all(f"{name}(" in batch for name in ("forward_trees", "settle", "proposer.copy"))

@@ -15,9 +15,11 @@ MIX = [  # (prompt, parameters): greedy, sampling, top-p/top-k, a stop string, d
     ("Translate into French: good morning, my friend.", dict(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=7)),
     ("Count from 1 to 30, separated by commas.", dict(max_new_tokens=64, stop=["17"])),
     ("Name three planets.", dict(max_new_tokens=20, temperature=0.7, top_k=40, seed=11)),
-    ("Summarize in one line: " + "The river rose after days of rain, and the village moved its boats uphill. " * 30,
-     dict(max_new_tokens=24)),  # a prompt of several prefill chunks
-]  # fmt: skip
+    (
+        "Summarize in one line: " + "The river rose after days of rain, and the village moved its boats uphill. " * 30,
+        dict(max_new_tokens=24),
+    ),  # a prompt of several prefill chunks
+]
 
 
 def run_batched(gen: Generator, joins: list[int], leave: int | None = None) -> list:

@@ -21,25 +21,16 @@ def write_data(path: Path) -> Path:
     return path
 
 
+def bench_argv(tmp_path: Path, methods: str, tokens: int, *extra: str) -> list[str]:
+    """`swiftdecode bench` on SmolLM2 over a small prompt file, its output in tmp_path / "out"."""
+    data = str(write_data(tmp_path / "d.jsonl"))
+    out = ["--max-new-tokens", str(tokens), "--out", str(tmp_path / "out")]
+    return ["bench", "--model", "smollm2-135m", "--data", data, "--methods", methods, *out, *extra]
+
+
 def test_end_to_end_greedy_lossless(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = [
-        "bench",
-        "--model",
-        "smollm2-135m",
-        "--data",
-        str(write_data(tmp_path / "d.jsonl")),
-        "--methods",
-        "hf,ar,swift",
-        "--max-new-tokens",
-        "16",
-        "--warmup",
-        "1",
-        "--out",
-        str(out),
-        "--json",
-    ]
-    assert main(argv) == 0
+    assert main(bench_argv(tmp_path, "hf,ar,swift", 16, "--warmup", "1", "--json")) == 0
     results = json.loads((out / "results.json").read_text())
     assert json.loads(capsys.readouterr().out) == results
     assert results["model"] == "smollm2-135m"
@@ -118,9 +109,7 @@ class Tok:
 def test_constrained_methods_are_checked_against_constrained_ar(tmp_path):
     out = tmp_path / "out"
     schema = '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
-    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
-            "ar,swift,ngram", "--max-new-tokens", "24", "--json-schema", schema, "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
+    assert main(bench_argv(tmp_path, "ar,swift,ngram", 24, "--json-schema", schema)) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["grammar"] == {"json_schema": json.loads(schema)} and not results["mismatches"]
     assert all(r["identical"] for r in results["records"]) and results["records"][0]["new_tokens"] > 0
@@ -225,8 +214,7 @@ def test_llama_cpp_peer_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/llama-cpp-peer
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     out = tmp_path / "out"
-    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
-            "ar,llama.cpp,llama.cpp-lookup", "--max-new-tokens", "8", "--warmup", "0", "--out", str(out)]  # fmt: skip
+    argv = bench_argv(tmp_path, "ar,llama.cpp,llama.cpp-lookup", 8, "--warmup", "0")
     assert main(argv) == 0
     assert "skipping llama.cpp-lookup" in capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
@@ -261,10 +249,13 @@ def test_a_method_failing_on_one_prompt_costs_that_row_not_the_run():
 
     prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b"), Prompt("3", "qa", "c")]
     args = argparse.Namespace(warmup=0, seed=0)
-    records, failures = stream.run_stream({"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": flaky}, prompts,
-                                          [[1], [2], [3]], args, [])  # fmt: skip
+    records, failures = stream.run_stream(
+        {"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": flaky}, prompts, [[1], [2], [3]], args, []
+    )
     assert [(r["method"], r["prompt_id"]) for r in records if r["method"] == "llama.cpp"] == [
-        ("llama.cpp", "1"), ("llama.cpp", "3")]  # fmt: skip
+        ("llama.cpp", "1"),
+        ("llama.cpp", "3"),
+    ]
     assert len(records) == 5 and [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "2")]
     assert "UnicodeDecodeError" in failures[0]["error"]
     from swiftdecode.apps.bench.report import failure_lines
@@ -278,8 +269,25 @@ def test_concurrency_mode_replays_through_the_server(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    argv = ["bench", "--model", "smollm2-135m", "--data", str(data), "--methods", "swift", "--max-new-tokens", "16",
-            "--concurrency", "4", "--max-batch", "4", "--pairs", "2", "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        "smollm2-135m",
+        "--data",
+        str(data),
+        "--methods",
+        "swift",
+        "--max-new-tokens",
+        "16",
+        "--concurrency",
+        "4",
+        "--max-batch",
+        "4",
+        "--pairs",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     result = json.loads((out / "concurrency.json").read_text())
     assert len(result["pairs"]) == 2 and result["speedup"] == min(p["speedup"] for p in result["pairs"])  # median
@@ -359,8 +367,7 @@ def test_llama_server_peer_rows(tmp_path, monkeypatch):
     answer's ids out, timed by the server's own timings; the servers are stopped when the bench ends."""
     args_file = fake_llama_server(tmp_path, monkeypatch)
     out = tmp_path / "out"
-    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
-            "ar,llama-server,llama-server-ngram-mod", "--max-new-tokens", "8", "--out", str(out)]  # fmt: skip
+    argv = bench_argv(tmp_path, "ar,llama-server,llama-server-ngram-mod", 8)
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "llama-server", "llama-server-ngram-mod"]
@@ -382,8 +389,7 @@ def test_concurrency_mode_beside_llama_server(tmp_path, monkeypatch, capsys):
     """--concurrency with a llama-server method: its server runs N slots and gets the same replays."""
     args_file = fake_llama_server(tmp_path, monkeypatch)
     out = tmp_path / "out"
-    argv = ["bench", "--model", "smollm2-135m", "--data", str(write_data(tmp_path / "d.jsonl")), "--methods",
-            "ngram,llama-server", "--max-new-tokens", "8", "--concurrency", "2", "--out", str(out)]  # fmt: skip
+    argv = bench_argv(tmp_path, "ngram,llama-server", 8, "--concurrency", "2")
     assert main(argv) == 0
     result = json.loads((out / "concurrency.json").read_text())
     peer = result["peers"]["llama-server"]
@@ -412,7 +418,8 @@ def test_a_method_failing_its_warm_up_is_left_out():
 
     prompts = [Prompt("1", "qa", "a"), Prompt("2", "qa", "b")]
     args = argparse.Namespace(warmup=1, seed=0)
-    records, failures = stream.run_stream({"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": broken}, prompts,
-                                          [[1], [2]], args, [[9]])  # fmt: skip
+    records, failures = stream.run_stream(
+        {"ar": lambda i, s: Outcome([1], 0.1), "llama.cpp": broken}, prompts, [[1], [2]], args, [[9]]
+    )
     assert [r["method"] for r in records] == ["ar", "ar"]
     assert [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "warm-up")]

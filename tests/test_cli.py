@@ -45,8 +45,9 @@ def test_generate_logit_bias_and_repetition_penalty(capsys):
 
 def test_generate_json_schema_from_a_file(tmp_path, capsys):
     schema = tmp_path / "schema.json"
-    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], '
-                      '"additionalProperties": false}')  # fmt: skip
+    schema.write_text(
+        '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'
+    )
     ask = "Reply in JSON with a field n holding a number."
     argv = ["generate", "--prompt", ask, "--max-new-tokens", "24", "--json-schema", str(schema)]
     assert main([*argv, "--json"]) == 0

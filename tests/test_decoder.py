@@ -30,23 +30,22 @@ def test_silu_mul_matches_torch_and_every_isa_build_agrees(fp32_builds):
 @torch.inference_mode()
 def _forwards(sm: SwiftModel, native: bool) -> tuple[list[torch.Tensor], list[SwiftCache]]:
     """Prefill, a layer-skipped draft chain, a full step, and two sequences batched in one pass."""
-    sm.observer = None if native else (lambda i, before, after: None)  # an observer keeps the Python loop
-    sm.reset()
-    outs = [sm.prefill(list(range(200, 260)))]
-    n = sm.cache.length
+    observe = None if native else (lambda i, before, after: None)  # an observer keeps the Python loop
+    first, other = SwiftCache(sm.n_layers), SwiftCache(sm.n_layers)
+    outs = [sm.prefill(list(range(200, 260)), first, observe)]
+    n, chain = first.length, torch.ones(3, 3, dtype=torch.bool).tril_()
     skip = SkipSet(attn=frozenset({2, 5}), mlp=frozenset({3, 5}))
-    outs.append(sm.forward([7, 8, 9], torch.arange(n, n + 3), torch.ones(3, 3, dtype=torch.bool).tril_(), skip=skip))
-    outs.append(sm.forward([10], torch.arange(n + 3, n + 4), torch.ones(1, 1, dtype=torch.bool)))
-    other = SwiftCache(sm.n_layers)
-    sm.cache, first = other, sm.cache
-    sm.prefill(list(range(500, 530)))
+    outs.append(sm.forward([7, 8, 9], torch.arange(n, n + 3), chain, first, skip=skip, observe=observe))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    outs.append(sm.forward([10], torch.arange(n + 3, n + 4), one, first, observe=observe))
+    sm.prefill(list(range(500, 530)), other, observe)
     parts = [(c, [11, 12], torch.ones(2, 2, dtype=torch.bool).tril_()) for c in (first, other)]
     masks = [
         attention_mask(torch.arange(c.length, c.length + 2), c.length, c.length, a, sm.dtype)[0, 0] for c, _, a in parts
     ]
     positions = torch.cat([torch.arange(c.length, c.length + 2) for c, _, _ in parts])
     ids = torch.tensor([t for _, ids, _ in parts for t in ids])
-    outs.append(sm.lean.forward(ids, positions, masks, [first, other], SkipSet(), sm._lean_kernel(), sm.observer))
+    outs.append(sm.lean.forward(ids, positions, masks, [first, other], SkipSet(), sm._lean_kernel(), observe))
     return outs, [first, other]
 
 
@@ -94,7 +93,7 @@ def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, 
     outs = []
     for m in (smollm[0], model):
         sm = SwiftModel(m)
-        outs.append(sm.logits(sm.prefill(list(range(300, 340)))))
+        outs.append(sm.logits(sm.prefill(list(range(300, 340)), SwiftCache(sm.n_layers))))
     assert torch.equal(outs[0], outs[1])
 
 

@@ -19,24 +19,24 @@ from swiftdecode.engine.generator import EngineConfig
 from swiftdecode.runtime import fastpath
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.skip import SkipSet
-from swiftdecode.runtime.tree import NGRAM, SKIP, Tree, attention_mask
+from swiftdecode.runtime.tree import Tree, attention_mask
 
 
 def small_tree() -> Tree:
     """root → a(5) → d(7); root → b(6); a → e(8)."""
     t = Tree(root=1)
-    a = t.add(5, -1, SKIP)
-    t.add(6, -1, SKIP)
-    t.add(7, a, SKIP)
-    t.add(8, a, SKIP)
-    assert t.add(5, -1, NGRAM) == a  # duplicate child: not added again, marked proposed by both
+    a = t.add(5, -1, "skip")
+    t.add(6, -1, "skip")
+    t.add(7, a, "skip")
+    t.add(8, a, "skip")
+    assert t.add(5, -1, "ngram") == a  # duplicate child: not added again, marked proposed by both
     return t
 
 
 def test_tree_structure_positions_and_ancestry():
     t = small_tree()
     assert t.tokens == [5, 6, 7, 8] and t.parents == [-1, -1, 0, 0] and t.depths == [1, 1, 2, 2]
-    assert t.sources == [SKIP | NGRAM, SKIP, SKIP, SKIP]
+    assert t.sources == ["both", "skip", "skip", "skip"]
     assert t.input_ids() == [1, 5, 6, 7, 8]
     assert t.positions(10).tolist() == [10, 11, 11, 12, 12]
     expected = torch.tensor(
@@ -222,22 +222,22 @@ def test_matchness_one_forward_equals_step_by_step_drafting(smollm, smollm_fp32,
         assert fastpath.sparse_capable(model)
         assert all(m.thresholds is not None for m in model.modules() if getattr(m, "role", ""))
     sm, skip, W = gen.sm, SkipSet(uniform.attn, uniform.mlp, sparsity), 8
-    sm.reset()
-    sm.prefill(ctx[:-1])
-    P = sm.cache.length
-    matchness(sm, skip, ctx, gen.cfg.window)  # window = 32 > W: covers our positions too
-    assert sm.cache.length == P  # rolled back
+    cache = SwiftCache(sm.n_layers)
+    sm.prefill(ctx[:-1], cache)
+    P = cache.length
+    matchness(sm, skip, ctx, gen.cfg.window, cache)  # window = 32 > W: covers our positions too
+    assert cache.length == P  # rolled back
     hits = []
     for pos in range(P - W, P):
-        sm.reset()
-        sm.prefill(ctx[:pos])
-        h = sm.forward([ctx[pos]], torch.tensor([pos]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
+        cache = SwiftCache(sm.n_layers)
+        sm.prefill(ctx[:pos], cache)
+        h = sm.forward([ctx[pos]], torch.tensor([pos]), torch.ones(1, 1, dtype=torch.bool), cache, skip=skip)
         logits, ids = sm.draft_logits(h)  # over the draft vocabulary: column j is token ids[j]
         best = int(logits[0].argmax())
         hits.append((best if ids is None else int(ids[best])) == ctx[pos + 1])
-    sm.reset()
-    sm.prefill(ctx[:-1])
-    assert math.isclose(matchness(sm, skip, ctx, W), sum(hits) / W)
+    cache = SwiftCache(sm.n_layers)
+    sm.prefill(ctx[:-1], cache)
+    assert math.isclose(matchness(sm, skip, ctx, W, cache), sum(hits) / W)
 
 
 @pytest.mark.parametrize(
@@ -327,7 +327,7 @@ def test_first_request_thresholds_come_from_the_prompt(smollm_fp32):
     after = [m.thresholds.clone() for m in roles]
     sm = SwiftModel(model)
     with sm.calibrating():
-        sm.prefill(ids)
+        sm.prefill(ids, SwiftCache(sm.n_layers))
     assert all(torch.equal(a, m.thresholds) for a, m in zip(after, roles, strict=True))
 
 
@@ -344,20 +344,23 @@ def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
     gen = Generator(model, tok, method="swift")
     steps = []
 
-    def step(ctx, pending):  # 4 ms of work, or more if the CPU is busy (the excess is allowed for below)
+    def step(ctx, pending, cache):  # 4 ms of work, or more if the CPU is busy (the excess is allowed for below)
         t = time.perf_counter()
         while time.perf_counter() - t < STEP_S:
             pass
         steps.append(time.perf_counter() - t)
 
-    monkeypatch.setattr(gen.tuner, "step", step)
-    gen.tuner.step_s = STEP_S  # as measured after a first step (before one, its cost is a guess)
+    tuner = gen.proposer.drafters["draft"].tuner
+    monkeypatch.setattr(tuner, "step", step)
+    tuner.step_s = STEP_S  # as measured after a first step (before one, its cost is a guess)
     for prompt in ("Count from one to thirty in words.", "List twenty animals.", "Write a short poem about rain."):
-        gen.schedule.decode_s = 100.0  # long earlier traffic: the running budget alone would allow a burst here
+        gen.proposer.schedule.budget.decode_s = (
+            100.0  # long earlier traffic: the running budget alone would allow a burst here
+        )
         before = len(steps)
         res = gen.generate(prompt, max_new_tokens=128, chat=True)
         split, late = res.stats.time_split, sum(d - STEP_S for d in steps[before:])  # beyond the known cost
-        assert split["optimize"] <= 1.05 * gen.tuner.search.cfg.max_overhead * (split["draft"] + split["verify"]) + late
+        assert split["optimize"] <= 1.05 * tuner.search.cfg.max_overhead * (split["draft"] + split["verify"]) + late
     assert steps  # the search did run
 
 

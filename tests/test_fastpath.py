@@ -369,6 +369,7 @@ def test_k_rows_equal_one_row_at_any_thread_count(request, name):
     """On the engine's forward (quantized kernel; lean layers, or transformers' for Gemma), an 8-token chain
     returns bit-for-bit the logits of 8 one-token forwards, at 1, 2, 3 and 4 threads (norms, rotary and
     activations included)."""
+    from swiftdecode.runtime.cache import SwiftCache
     from swiftdecode.runtime.model import SwiftModel
 
     model, _ = request.getfixturevalue(name)
@@ -376,12 +377,14 @@ def test_k_rows_equal_one_row_at_any_thread_count(request, name):
     try:
         for t in (1, 2, 3, 4):
             torch.set_num_threads(t)
-            sm.reset()
-            sm.prefill(ids[:30])
-            chain = sm.logits(sm.forward(ids[30:], torch.arange(30, 38), torch.ones(8, 8, dtype=torch.bool).tril()))
-            sm.cache.truncate(30)
+            cache = SwiftCache(sm.n_layers)
+            sm.prefill(ids[:30], cache)
+            causal = torch.ones(8, 8, dtype=torch.bool).tril()
+            chain = sm.logits(sm.forward(ids[30:], torch.arange(30, 38), causal, cache))
+            cache.truncate(30)
             for i in range(8):
-                one = sm.logits(sm.forward([ids[30 + i]], torch.tensor([30 + i]), torch.ones(1, 1, dtype=torch.bool)))
+                single = torch.ones(1, 1, dtype=torch.bool)
+                one = sm.logits(sm.forward([ids[30 + i]], torch.tensor([30 + i]), single, cache))
                 assert torch.equal(chain[i], one[0]), f"{t} threads, row {i}: {(chain[i] - one[0]).abs().max()}"
     finally:
         torch.set_num_threads(threads)

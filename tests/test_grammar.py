@@ -45,8 +45,9 @@ def test_regex_and_lark(smollm):
     assert re.fullmatch(r" [0-9]{4}\.", year.text) and year.finish_reason == "stop"
     lark = 'start: answer " because " reason\nanswer: "yes" | "no"\nreason: /[a-z ]{1,40}/ "."'
     for seed in range(3):
-        res = gen.generate("Is the sky blue?", chat=True, max_new_tokens=40, temperature=0.9, seed=seed,
-                           grammar={"lark": lark})  # fmt: skip
+        res = gen.generate(
+            "Is the sky blue?", chat=True, max_new_tokens=40, temperature=0.9, seed=seed, grammar={"lark": lark}
+        )
         assert re.fullmatch(r"(yes|no) because [a-z ]{1,40}\.", res.text), res.text
 
 

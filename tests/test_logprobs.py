@@ -9,6 +9,7 @@ import torch
 from swiftdecode import Generator, UserError
 from swiftdecode.decoding.logprobs import token_logprobs
 from swiftdecode.engine.batch import Batch
+from swiftdecode.runtime.cache import SwiftCache
 
 PROMPT = "Write the numbers from one to twenty, separated by commas."
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=3)
@@ -16,8 +17,10 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=3)
 
 @pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 def test_every_method_reports_plain_decodings_logprobs(smollm, sampling):
-    results = {m: Generator(*smollm, method=m).generate(PROMPT, chat=True, max_new_tokens=48, logprobs=3, **sampling)
-               for m in ("ar", "swift", "ngram")}  # fmt: skip
+    results = {
+        m: Generator(*smollm, method=m).generate(PROMPT, chat=True, max_new_tokens=48, logprobs=3, **sampling)
+        for m in ("ar", "swift", "ngram")
+    }
     ar = results["ar"]
     assert [e.token for e in ar.logprobs] == ar.token_ids
     for e in ar.logprobs:
@@ -34,8 +37,7 @@ def test_logprobs_are_the_log_softmax_of_a_teacher_forced_forward(smollm):
     gen = Generator(*smollm, method="swift")
     res = gen.generate(PROMPT, chat=True, max_new_tokens=32, logprobs=0)
     ids = gen.chat_ids([{"role": "user", "content": PROMPT}])
-    gen.sm.reset()
-    hidden = gen.sm.prefill(ids + res.token_ids)
+    hidden = gen.sm.prefill(ids + res.token_ids, SwiftCache(gen.sm.n_layers))
     rows = gen.sm.logits(hidden[len(ids) - 1 : len(ids) - 1 + len(res.token_ids)])
     assert res.logprobs == token_logprobs(rows, res.token_ids, 0)  # the same rows, to the last bit
     exact = torch.log_softmax(rows.double(), dim=-1)[torch.arange(len(res.token_ids)), res.token_ids]
@@ -47,7 +49,7 @@ def test_streamed_entries_add_up_to_the_result_and_follow_a_stop_cut(smollm):
     gen = Generator(*smollm, method="swift")
     events = list(
         gen.stream("Count from 1 to 30, separated by commas.", chat=True, max_new_tokens=64, stop=["6. 6"], logprobs=1)
-    )  # fmt: skip: a stop string of several tokens
+    )  # a stop string of several tokens
     res = events[-1].result
     assert res.finish_reason == "stop" and res.text.endswith("5. 5\n") and "6" not in res.text
     assert [e for ev in events for e in ev.logprobs] == res.logprobs

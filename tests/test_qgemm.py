@@ -14,9 +14,15 @@ from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
 from swiftdecode.kernels.qweight import FORMATS, QuantWeight
 
 FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a block
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-}  # fmt: skip
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def kernels():
@@ -155,8 +161,10 @@ def test_quantized_model_keeps_weights_quantized(smollm):
 def test_one_call_for_several_weights_equals_separate_calls():
     """q/k/v (or gate/up) in one call: x quantized once, tiles of all weights in one pass, same bits."""
     k = 256
-    ws = [QuantWeight.from_gguf(kind, random_blocks(kind, n, k, seed), n, k)
-          for seed, (kind, n) in enumerate([("Q5_0", 48), ("Q8_0", 16), ("Q4_K", 40)])]  # fmt: skip
+    ws = [
+        QuantWeight.from_gguf(kind, random_blocks(kind, n, k, seed), n, k)
+        for seed, (kind, n) in enumerate([("Q5_0", 48), ("Q8_0", 16), ("Q4_K", 40)])
+    ]
     biases = [torch.randn(48), None, torch.randn(40)]
     x = torch.randn(5, k)
     for kern in kernels():

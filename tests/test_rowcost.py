@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from swiftdecode.drafters.rowcost import CopyPlanner, CostLine, DepthAcceptance, tokens_that_pay
+from swiftdecode.drafters.ngram import FORCED, NgramDrafter, ngram_continuation
+from swiftdecode.drafters.rowcost import CostLine, DepthAcceptance, tokens_that_pay
 
 
 def fitted(a: float, b: float, rows=(1, 2, 4, 8, 12, 16)) -> CostLine:
@@ -35,7 +36,7 @@ def test_no_slope_until_rows_vary():
     for _ in range(10):
         line.record(8, 0.02)
     assert line.line() is None
-    assert tokens_that_pay(line, DepthAcceptance(), 8, cap=3) == 3  # copy, so that rows vary and the slope shows
+    assert tokens_that_pay(line, DepthAcceptance().accept, 8, cap=3) == 3  # copy, so that rows vary and the slope shows
 
 
 def test_acceptance_by_depth():
@@ -47,56 +48,58 @@ def test_acceptance_by_depth():
 def test_copied_tokens_pay_while_they_raise_tokens_per_second():
     cheap, steep = fitted(0.010, 0.0005), fitted(0.010, 0.0022)  # a row costs 5% / 22% of the weights' pass
     sure = profile(accepted=2, proposed=4)  # depths 1-2 always accepted, 3-4 never
-    assert tokens_that_pay(cheap, sure, 1, cap=15) == 2  # alone: the accepted depths pay, the rejected ones do not
-    assert tokens_that_pay(steep, sure, 1, cap=15) == 2
+    # alone: the accepted depths pay, the rejected ones do not
+    assert tokens_that_pay(cheap, sure.accept, 1, cap=15) == 2
+    assert tokens_that_pay(steep, sure.accept, 1, cap=15) == 2
     # 8 requests: a forward already yields 8 tokens in 0.0276 s; a row costs 0.0022 s, so a copied token must be
     # accepted with chance > 0.64 to raise tokens per second
-    assert tokens_that_pay(steep, sure, 8, cap=1) == 1
+    assert tokens_that_pay(steep, sure.accept, 8, cap=1) == 1
     coin = profile(accepted=1, proposed=1, times=0)
     for _ in range(300):
         coin.record(1, 0)
         coin.record(1, 1)
     assert 0.4 < coin.accept(1) < 0.6
-    assert tokens_that_pay(steep, coin, 8, cap=1) == 0
-    assert tokens_that_pay(cheap, coin, 8, cap=1) == 1  # a cheap row still pays at that chance
+    assert tokens_that_pay(steep, coin.accept, 8, cap=1) == 0
+    assert tokens_that_pay(cheap, coin.accept, 8, cap=1) == 1  # a cheap row still pays at that chance
+
+
+def request(ctx: list[int], constraint=None) -> SimpleNamespace:
+    """What the n-gram drafter reads of a Request."""
+    return SimpleNamespace(ctx=ctx, drafts={}, sampler=SimpleNamespace(constraint=constraint))
 
 
 def test_copies_are_scored_against_what_was_generated():
     """A copy is scored once its fate is known (a mismatch, or every token generated), verified or not."""
-    planner = CopyPlanner()
+    drafter = NgramDrafter(None, None)
     ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # ends with the 3-gram 1 2 3: the copy is 4 5 9 1 ...
-    req = SimpleNamespace(ctx=ctx, copies=[], sampler=SimpleNamespace(constraint=None))  # what it reads of a Request
-    copied, n = planner.plan(req, 1, 3)
-    pending = req.copies
-    assert copied == [4, 5, 9] and n == 3 and pending == [(9, [4, 5, 9], 3)]
-    planner.resolve(ctx + [4], pending)  # one token generated, as copied: not yet decided
+    req = request(ctx)
+    copy = drafter.copy(req, 3)
+    pending = req.drafts["ngram"]
+    assert copy.tokens == [4, 5, 9] and pending == [(9, [4, 5, 9], 3)]
+    drafter.resolve(ctx + [4], pending)  # one token generated, as copied: not yet decided
     assert pending == [(9, [4, 5, 9], 3)]
-    planner.resolve(ctx + [4, 7], pending)  # the second one differs: scored as 1 accepted of 3
+    drafter.resolve(ctx + [4, 7], pending)  # the second one differs: scored as 1 accepted of 3
     assert pending == []
-    acc = planner.acceptance[3]
+    acc = drafter.acceptance[3]
     assert acc.accept(1) > 0.5 > acc.accept(2) and acc.accept(2) == acc.accept(3)
-    fresh = SimpleNamespace(ctx=[1, 2, 3, 4], copies=[], sampler=SimpleNamespace(constraint=None))
-    assert planner.plan(fresh, 1, 3) == ([], 0)  # no repeat: no copy
+    assert copy.accept(1) == acc.accept(1)  # the proposal's odds are the table's
+    assert drafter.copy(request([1, 2, 3, 4]), 3) is None  # no repeat: no copy
 
 
 def test_tokens_a_grammar_forces_come_before_an_ngram_copy():
     """With a grammar that forces tokens (a tool call's frame), they are the branch, scored under FORCED."""
-    from swiftdecode.drafters.rowcost import FORCED
-
     forced = SimpleNamespace(forced=lambda limit: [7, 8, 9, 6][:limit])
-    req = SimpleNamespace(ctx=[1, 2, 3, 4, 5, 9, 1, 2, 3], copies=[], sampler=SimpleNamespace(constraint=forced))
-    planner = CopyPlanner()
-    assert planner.plan(req, 1, 3) == ([7, 8, 9], 3) and req.copies == [(9, [7, 8, 9], FORCED)]
-    planner.resolve(req.ctx + [7, 8, 9], req.copies)
-    assert planner.acceptance[FORCED].accept(3) > 0.5 and 3 not in planner.acceptance
+    req = request([1, 2, 3, 4, 5, 9, 1, 2, 3], forced)
+    drafter = NgramDrafter(None, None)
+    assert drafter.copy(req, 3).tokens == [7, 8, 9] and req.drafts["ngram"] == [(9, [7, 8, 9], FORCED)]
+    drafter.resolve(req.ctx + [7, 8, 9], req.drafts["ngram"])
+    assert drafter.acceptance[FORCED].accept(3) > 0.5 and 3 not in drafter.acceptance
 
 
 def test_ngram_continuation_matches_a_plain_scan():
     """The byte search finds what scanning every earlier window finds (latest occurrence of the longest suffix
     n-gram, token-aligned), on contexts whose 4-byte tokens share bytes (small and huge ids)."""
     import random
-
-    from swiftdecode.drafters.layer_skip.draft import ngram_continuation
 
     def scan(ctx, length, n_max=3, n_min=2):
         for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):

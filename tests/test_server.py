@@ -125,8 +125,12 @@ def test_logprobs_are_the_engines_in_every_response_shape(gen, client):
     messages = [{"role": "user", "content": question}]
     kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
     whole = client.chat.completions.create(**kw).choices[0].logprobs.content
-    streamed = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
-                for t in c.choices[0].logprobs.content]  # fmt: skip
+    streamed = [
+        t
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     for content in (whole, streamed):
         assert [t.logprob for t in content] == [e.logprob for e in ref.logprobs]
         assert "".join(t.token for t in content) == ref.text
@@ -136,8 +140,9 @@ def test_logprobs_are_the_engines_in_every_response_shape(gen, client):
     prompt = "1, 2, 3, 4,"
     ref = gen.generate(prompt, max_new_tokens=12, temperature=0.0, stop=[" 9"], logprobs=1)
     for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[" 9"],
-                                      logprobs=1, stream=stream)  # fmt: skip
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[" 9"], logprobs=1, stream=stream
+        )
         parts = [c.choices[0].logprobs for c in (r if stream else [r]) if c.choices[0].logprobs]
         assert [lp for p in parts for lp in p.token_logprobs] == [e.logprob for e in ref.logprobs]
         assert "".join(t for p in parts for t in p.tokens) == ref.text
@@ -187,8 +192,9 @@ def test_echo_scores_the_prompt(gen, client, url):
     scored, _ = prompt_logprobs(gen.sm, ids, 1)
     ref = gen.generate(prompt, max_new_tokens=6, logprobs=1)
     for max_tokens, tail in ((0, []), (6, ref.logprobs)):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1,
-                                      temperature=0)  # fmt: skip
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1, temperature=0
+        )
         lp = r.choices[0].logprobs
         assert r.choices[0].text == prompt + (ref.text if max_tokens else "") == "".join(lp.tokens)
         assert lp.token_logprobs == [None] + [e.logprob for e in scored + tail] and lp.top_logprobs[0] is None
@@ -220,8 +226,12 @@ def test_sampling_controls_are_the_engines(smollm, client):
     generator's, after everything the shared server has served before."""
     prompt = "def add(a, b):"
     fresh = Generator(*smollm, method="swift")
-    cases = [dict(repetition_penalty=1.1), dict(temperature=0.9, seed=3, min_p=0.2), dict(ignore_eos=True),
-             dict(min_tokens=12)]  # fmt: skip
+    cases = [
+        dict(repetition_penalty=1.1),
+        dict(temperature=0.9, seed=3, min_p=0.2),
+        dict(ignore_eos=True),
+        dict(min_tokens=12),
+    ]
     first = fresh.generate(prompt, max_new_tokens=16).token_ids[0]
     cases.append(dict(logit_bias={first: -100.0}))
     for kw in cases:
@@ -229,8 +239,9 @@ def test_sampling_controls_are_the_engines(smollm, client):
         wire = {**kw, "logit_bias": {str(t): b for t, b in kw["logit_bias"].items()}} if "logit_bias" in kw else kw
         extra = {k: v for k, v in wire.items() if k in ("repetition_penalty", "min_p", "ignore_eos", "min_tokens")}
         std = {k: v for k, v in wire.items() if k not in extra}
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **{"temperature": 0, **std},
-                                      extra_body=extra)  # fmt: skip
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, **{"temperature": 0, **std}, extra_body=extra
+        )
         assert r.choices[0].text == ref, kw
 
 
@@ -246,16 +257,19 @@ def test_structured_output(gen, client):
     ref = gen.generate(gen.chat_ids(messages), max_new_tokens=40, grammar={"json_schema": schema}).text
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
     for stream in (False, True):
-        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
-                                           response_format=fmt, stream=stream)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format=fmt, stream=stream
+        )
         text = "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
         assert text == ref and set(json.loads(text)) == {"city"}
     ask = [{"role": "user", "content": "Give a JSON object with a city in France."}]
-    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0,
-                                       response_format={"type": "json_object"})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
-                                  extra_body={"grammar": {"regex": " [0-9]{4}"}})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt="The year is", max_tokens=8, temperature=0, extra_body={"grammar": {"regex": " [0-9]{4}"}}
+    )
     assert re.fullmatch(" [0-9]{4}", r.choices[0].text)
 
 
@@ -269,11 +283,16 @@ def test_n_choices_decode_together_as_separate_requests(gen, client, url):
     assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == [ref.text for ref in refs]
     assert r.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs)
     messages = [{"role": "user", "content": prompt}]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, stream=True,
-                                                 stream_options={"include_usage": True}, **kw))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, n=2, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
     whole = client.chat.completions.create(model=MODEL, messages=messages, n=2, **kw)
-    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-             for i in range(2)]  # fmt: skip
+    texts = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(2)
+    ]
     assert texts == [c.message.content for c in whole.choices] and chunks[-1].usage == whole.usage
     assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2
     r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "n": 16, "max_tokens": 64})
@@ -343,7 +362,7 @@ def test_stop_and_seed(gen, client):
             "/v1/completions",
             {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema"}},
             "response_format",
-        ),  # fmt: skip
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": {"regex": "[a-"}}, "grammar"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": {"sql": "x"}}, "grammar"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
@@ -356,7 +375,7 @@ def test_stop_and_seed(gen, client):
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
             "echo",
-        ),  # fmt: skip
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -3}, "seed"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -525,8 +544,12 @@ def test_concurrent_requests_decode_together_exactly_and_disconnects_free_slots(
                 next(r.iter_lines())
 
         list(pool.map(leave, range(10)))
-        with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "Count:", "n": 3,
-                          "max_tokens": 300, "stream": True}, timeout=60) as r:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "Count:", "n": 3, "max_tokens": 300, "stream": True},
+            timeout=60,
+        ) as r:
             next(r.iter_lines())  # three choices, left after one chunk
         deadline = time.monotonic() + 60
         held = ("swiftdecode_requests_running", "swiftdecode_queue_depth", "swiftdecode_kv_reserved_bytes")

@@ -217,7 +217,7 @@ BAD = [
             ]
         },
         "tools",
-    ),  # fmt: skip
+    ),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
@@ -228,9 +228,25 @@ BAD = [
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
     ({"functions": [WEATHER["function"]]}, "functions"),
-    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties":
-      {f"p{j}": {"type": "string", "enum": ["v" * 100] * 30} for j in range(30)}}}} for i in range(3)]}, "tools"),
-]  # fmt: skip
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": f"f{i}",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {f"p{j}": {"type": "string", "enum": ["v" * 100] * 30} for j in range(30)},
+                        },
+                    },
+                }
+                for i in range(3)
+            ]
+        },
+        "tools",
+    ),
+]
 
 
 def test_bad_tools_are_400_beside_a_running_stream(url, client):
@@ -238,8 +254,9 @@ def test_bad_tools_are_400_beside_a_running_stream(url, client):
     text = []
 
     def stream():
-        for ch in chat(client, messages=[{"role": "user", "content": "Count from one to twenty."}], max_tokens=64,
-                       stream=True):  # fmt: skip
+        for ch in chat(
+            client, messages=[{"role": "user", "content": "Count from one to twenty."}], max_tokens=64, stream=True
+        ):
             text.append(ch.choices[0].delta.content or "")
 
     thread = threading.Thread(target=stream)
@@ -249,8 +266,15 @@ def test_bad_tools_are_400_beside_a_running_stream(url, client):
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
-    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]  # fmt: skip
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+            ],
+        }
+    ]
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": history}, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     deep = history[1]["tool_calls"][0]["function"] | {"arguments": "[" * 900 + "]" * 900}
@@ -269,8 +293,10 @@ def test_bad_tools_are_400_beside_a_running_stream(url, client):
 def test_a_template_without_tools_is_told_them_as_text(smollm):
     gen = Generator(*smollm, method="swift")
     tools = check_tools([WEATHER], "required", False)
-    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather",
-                      "arguments": {"city": "Paris"}}]}, {"role": "tool", "content": "18 C, sunny"}]  # fmt: skip
+    history = ASK + [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {"role": "tool", "content": "18 C, sunny"},
+    ]
     prompt = gen.prompts.decode(gen.chat_ids(history, tools))
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt and "<tool_response>\n18 C, sunny" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt

@@ -132,6 +132,7 @@ def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[s
     other processes taking the cores."""
     import torch
 
+    from swiftdecode.runtime.cache import SwiftCache
     from swiftdecode.runtime.fastpath import accelerate
     from swiftdecode.runtime.model import SwiftModel
 
@@ -143,21 +144,20 @@ def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[s
     sm, caches = SwiftModel(model), {}
     for path in paths:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
         accelerate(model, path)
-        sm.reset()
-        sm.prefill(prompt)
-        caches[path] = sm.cache
+        caches[path] = SwiftCache(sm.n_layers)
+        sm.prefill(prompt, caches[path])
     for rep in range(repeats + 1):  # first round warms up
         for path in paths:
             accelerate(model, path)
-            sm.cache = caches[path]
+            cache = caches[path]
             for k in KS:
                 causal = torch.ones(k, k, dtype=torch.bool).tril_()
                 t, c = time.perf_counter(), time.thread_time()
-                sm.logits(sm.forward(new[:k], torch.arange(context, context + k), causal))
+                sm.logits(sm.forward(new[:k], torch.arange(context, context + k), causal, cache))
                 if rep:
                     times[path]["cpu"][k].append((time.thread_time() - c) * 1e3)
                     times[path]["wall"][k].append((time.perf_counter() - t) * 1e3)
-                sm.cache.truncate(context)
+                cache.truncate(context)
     return {p: {c: {k: statistics.median(v) for k, v in d.items()} for c, d in ts.items()} for p, ts in times.items()}
 
 

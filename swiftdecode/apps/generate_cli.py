@@ -14,9 +14,17 @@ from swiftdecode.base.params import CONTROLS, check_params
 
 # engine keyword -> the flag a user typed, for error messages
 SAMPLING = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "logit_bias", "min_tokens", "ignore_eos",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "logprobs",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
     *CONTROLS,
-)  # fmt: skip
+)
 FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 
 
@@ -35,9 +43,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     for name, (off, what) in CONTROLS.items():
         p.add_argument(FLAGS[name], type=float, default=off, help=f"{what} (default {off:g})")
     p.add_argument(
-        "--logit-bias", action="append", default=None, metavar="ID=BIAS",
+        "--logit-bias",
+        action="append",
+        default=None,
+        metavar="ID=BIAS",
         help="add BIAS (in [-100, 100]) to token ID's logit at every step (repeatable); -100 all but bans it",
-    )  # fmt: skip
+    )
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many new tokens")
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens to --max-new-tokens")
     add_grammar_arguments(p)
@@ -60,21 +71,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     p.add_argument(
-        "--logprobs", type=int, default=None, metavar="N",
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
         help="with --json: each token's log-probability and its N likeliest alternatives (0-20)",
-    )  # fmt: skip
+    )
     add_sampling_arguments(p)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
-    """Validated keyword arguments for Generator.stream (raises UserError before any model is loaded)."""
+    """Keyword arguments for Generator.stream: the parameters validated once, here, before any model is loaded
+    (UserError naming the flag), the seed and the grammar."""
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     kw |= {k: getattr(args, k) for k in (*CONTROLS, "min_tokens", "ignore_eos")}
     kw |= {"logit_bias": _logit_bias(args.logit_bias)}
     logprobs = getattr(args, "logprobs", None)  # generate's option (chat has none)
-    check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
-    out = dict(kw, seed=args.seed, stop=args.stop, grammar=grammar_spec(args))
-    return out | ({"logprobs": logprobs} if logprobs is not None else {})
+    params = check_params(**kw, stop=args.stop, names=FLAGS, logprobs=logprobs)
+    return dict(params=params, seed=args.seed, grammar=grammar_spec(args))
 
 
 def grammar_spec(args: argparse.Namespace) -> dict | None:

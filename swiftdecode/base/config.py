@@ -24,10 +24,11 @@ def isa_of(fast_path: str) -> str | None:
 PREFIX_CACHE_GB = 1.0
 # decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
 METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
-# Kinds of decoding round (see scheduler.RoundScheduler), in the order they are first tried: "ngram" = the n-gram
-# branch alone (no draft forward); "draft" = skip-model draft + n-gram branch, verified in one forward; "plain" =
-# one token, as plain decoding.
+# Kinds of decoding round: a drafter's kind (drafters.registry) or "plain", in the order the engine asks them:
+# "ngram" = the n-gram drafter's copy alone (no draft forward); "draft" = the layer-skip drafter's tree with the
+# copy as one more branch, verified in one forward; "plain" = one token, as plain decoding.
 MODES = ("ngram", "draft", "plain")
+SOURCES = ("skip", "ngram", "both")  # where accepted draft tokens came from (GenerationStats.accepted_by_source)
 
 # SWIFT's mapping from the draft's top-1 probability to the number of candidates at a depth:
 # the more confident the draft, the fewer siblings it needs.
@@ -44,7 +45,7 @@ class DraftConfig:
     max_nodes: int = 24  # tree nodes at most; skip-draft nodes are kept best first by estimated acceptance
     topk: tuple[tuple[float, int], ...] = GREEDY_TOPK  # candidates per depth, greedy decoding
     sampling_topk: tuple[tuple[float, int], ...] = SAMPLING_TOPK  # ... when sampling
-    ngram: int = 0  # longest n-gram continuation from the context added as a branch (0 = off)
+    ngram: int = 0  # longest copied chain (a copying drafter's: the n-gram continuation) added as a branch (0 = off)
 
 
 @dataclass(frozen=True)

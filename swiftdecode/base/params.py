@@ -65,6 +65,17 @@ class SamplingParams:
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
+@dataclass(frozen=True)
+class RequestParams:
+    """A request's parameters as `check_params` validated them: what the engine takes without checking again (it
+    checks only what needs the model, `check_vocab`)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # alternatives per token (0-20); None: no logprobs
+
+
 class ParamError(UserError):
     """A sampling parameter that breaks its rule; `field` is its `Generator.stream` keyword."""
 
@@ -96,13 +107,10 @@ def check_params(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
     ignore_eos: bool = False,
-    vocab: int | None = None,
-) -> SamplingParams:
-    """The validated SamplingParams, or ParamError naming the first bad field as `names` spells it (keyword
-    -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself). `vocab`: the model's vocabulary
-    size, which logit_bias's token ids must be below (None: not known yet)."""
-    bias = f"numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
-    ids = "integers >= 0" if vocab is None else f"integers in [0, {vocab})"
+) -> RequestParams:
+    """The validated RequestParams, or ParamError naming the first bad field as `names` spells it (keyword
+    -> the caller's name, e.g. "--max-new-tokens"; default: the keyword itself). Token ids against the model's
+    vocabulary are `check_vocab`'s."""
     stop_ok = stop is None or isinstance(stop, list) and all(_is_stop(s) for s in stop)
     rules = (  # (field, value, holds, what it must be); NaN fails every comparison, so it is rejected
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens), "an integer"),
@@ -118,7 +126,7 @@ def check_params(
         *penalty_rules(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
         ("repetition_penalty", repetition_penalty, _is_positive(repetition_penalty), "a finite number > 0 (1: off)"),
         ("min_p", min_p, _is_number(min_p) and 0 <= min_p <= 1, "a number in [0, 1]"),
-        ("logit_bias", logit_bias, _bias_ok(logit_bias, vocab), f"at most {MAX_BIAS_IDS} token ids ({ids}): {bias}"),
+        bias_rule(logit_bias, None),
         ("min_tokens", min_tokens, _is_int(min_tokens) and 0 <= min_tokens, "an integer >= 0"),
         ("min_tokens", min_tokens, not _is_int(max_new_tokens) or min_tokens <= max_new_tokens, "<= max_new_tokens"),
         ("ignore_eos", ignore_eos, isinstance(ignore_eos, bool), "true or false"),
@@ -129,14 +137,40 @@ def check_params(
             f"an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)",
         ),
     )
+    _enforce(rules, names)
+    bias = tuple(sorted((t, float(b)) for t, b in (logit_bias or {}).items()))
+    sampling = SamplingParams(
+        float(temperature),
+        float(top_p),
+        top_k,
+        float(presence_penalty),
+        float(frequency_penalty),
+        float(repetition_penalty),
+        float(min_p),
+        bias,
+        min_tokens,
+        ignore_eos,
+    )
+    return RequestParams(max_new_tokens, sampling, tuple(stop or ()), logprobs)
+
+
+def check_vocab(params: RequestParams, vocab: int) -> None:
+    """The rule that needs the model: logit_bias's token ids lie below its vocabulary size (ParamError if not)."""
+    _enforce([bias_rule(dict(params.sampling.logit_bias), vocab)])
+
+
+def bias_rule(bias: object, vocab: int | None) -> tuple:
+    """check_params' rule for logit_bias: {token id in [0, vocab): a number within MAX_LOGIT_BIAS}."""
+    ids = "integers >= 0" if vocab is None else f"integers in [0, {vocab})"
+    what = f"at most {MAX_BIAS_IDS} token ids ({ids}): numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    return "logit_bias", bias, _bias_ok(bias, vocab), what
+
+
+def _enforce(rules, names: Mapping[str, str] | None = None) -> None:
+    """ParamError for the first (field, value, holds, what it must be) rule that does not hold."""
     for field, value, holds, what in rules:
         if not holds:
             raise ParamError(field, f"{(names or {}).get(field, field)} must be {what}, got {value!r:.{SHOWN}}")
-    bias = tuple(sorted((t, float(b)) for t, b in (logit_bias or {}).items()))
-    return SamplingParams(
-        float(temperature), float(top_p), top_k, float(presence_penalty), float(frequency_penalty),
-        float(repetition_penalty), float(min_p), bias, min_tokens, ignore_eos,
-    )  # fmt: skip
 
 
 def _is_positive(v: object, least: float = 0.0) -> bool:

@@ -61,7 +61,7 @@ PROMPT_CHUNK = 256  # prompt rows per forward when scoring a prompt: bounds the 
 class PromptScorer:
     """Entries for ids[1:] (entry i: ids[i + 1] under the logits after ids[: i + 1]) from a causal forward of `ids`
     on a cache of its own, one chunk per `step()`, so a server can score a long prompt between other requests'
-    rounds (`sm`: a model.SwiftModel, whose own cache each step leaves as it was). On the batch-invariant kernels
+    rounds (`sm`: a model.SwiftModel). On the batch-invariant kernels
     a row depends only on the tokens before it, so each entry is what generating that token reports."""
 
     def __init__(self, sm, ids: list[int], k: int):
@@ -77,11 +77,7 @@ class PromptScorer:
     def step(self) -> None:
         """Score the next chunk of at most PROMPT_CHUNK tokens."""
         s, sm = self.scored, self.sm
-        saved, sm.cache = sm.cache, self.cache
-        try:
-            rows = sm.logits(sm.prefill(self.ids[s : s + PROMPT_CHUNK]))
-        finally:
-            sm.cache = saved
+        rows = sm.logits(sm.prefill(self.ids[s : s + PROMPT_CHUNK], self.cache))
         self.entries += token_logprobs(rows, self.ids[s + 1 : s + 1 + PROMPT_CHUNK], self.k)
         self.scored = min(len(self.ids), s + PROMPT_CHUNK)
 

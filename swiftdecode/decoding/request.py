@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from swiftdecode.base.config import MODES
+from swiftdecode.base.config import MODES, SOURCES
 from swiftdecode.base.text import TextSoFar
 from swiftdecode.decoding.logprobs import TokenLogprob, token_logprobs
 from swiftdecode.decoding.sampling import Sampler
 from swiftdecode.runtime.cache import SwiftCache
-from swiftdecode.runtime.tree import SOURCE_NAMES, Tree
+from swiftdecode.runtime.tree import Tree
 
 # KV entries a round may write beyond the accepted tokens before rolling back: a draft tree (at most 64 nodes,
 # swift-paper's) and its root, or a 32-token search window; the cache may grow this far past the request's end.
@@ -33,10 +33,11 @@ class GenerationStats:
     time_split: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify", "optimize"), 0.0)
     )
-    round_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))  # rounds of each kind
-    round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))  # ... their time
-    # accepted draft tokens by the drafter that proposed them ("both": the skip draft and the n-gram branch)
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
+    # rounds of each kind and their seconds; accepted draft tokens by the drafter that proposed them ("both":
+    # several did). The built-in kinds and sources are always listed; another drafter's once it counts.
+    round_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
+    round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     skip: dict[str, list[int] | int] = field(default_factory=lambda: {"attn": [], "mlp": [], "sparsity": 0})
     search: str = "off"
     batched_rounds: int = 0  # rounds decoded together with other requests (server batching)
@@ -47,12 +48,12 @@ class GenerationStats:
         self.accepted_draft_tokens += len(path)
         self.round_tokens += len(path) + 1
         for i in path:
-            self.accepted_by_source[SOURCE_NAMES[tree.sources[i]]] += 1
+            self.accepted_by_source[tree.sources[i]] = self.accepted_by_source.get(tree.sources[i], 0) + 1
 
     @property
     def tree_rounds(self) -> int:
-        """Rounds that verified a draft tree ("draft" and "ngram" rounds)."""
-        return self.round_kinds["draft"] + self.round_kinds["ngram"]
+        """Rounds that verified a draft tree (every kind but "plain")."""
+        return sum(n for kind, n in self.round_kinds.items() if kind != "plain")
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,9 +110,17 @@ class Request:
     """
 
     def __init__(
-        self, ids: list[int], budget: int, sampler: Sampler, stop: list[str] | None, eos: set[int], decode, layers: int,
-        top_logprobs: int | None = None, salt: str | None = None,
-    ):  # fmt: skip
+        self,
+        ids: list[int],
+        budget: int,
+        sampler: Sampler,
+        stop: list[str] | None,
+        eos: set[int],
+        decode,
+        layers: int,
+        top_logprobs: int | None = None,
+        salt: str | None = None,
+    ):
         self.ids, self.budget, self.sampler, self.eos, self.decode = ids, budget, sampler, eos, decode
         self.stop = stop or []
         self.top_logprobs, self.logprobs, self.logprobs_sent = top_logprobs, [], 0
@@ -119,7 +128,7 @@ class Request:
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
-        self.copies: list[tuple[int, list[int], int]] = []  # n-gram copies not yet scored (rowcost.CopyPlanner)
+        self.drafts: dict[str, object] = {}  # each drafter's state for this request, under its source name
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.salt = salt  # the prefix cache's tenant: its entries serve only requests of the same salt
         self.start = time.perf_counter()
@@ -135,7 +144,7 @@ class Request:
 
     @property
     def resumed(self) -> bool:
-        """Whether the request has taken tokens: a prefill of it recomputes ctx[:-1] (`engine.refill`), no pick."""
+        """Whether the request has taken tokens: a prefill of it recomputes ctx[:-1] (`Generator.refill`), no pick."""
         return bool(self.new)
 
     def evict(self) -> None:

@@ -148,9 +148,13 @@ class Sampler:
     that end an answer, which min_tokens holds back until position len(prompt) + min_tokens."""
 
     def __init__(
-        self, params: SamplingParams, seed: int, prompt: list[int] = (), constraint: Constraint | None = None,
+        self,
+        params: SamplingParams,
+        seed: int,
+        prompt: list[int] = (),
+        constraint: Constraint | None = None,
         eos: set[int] = frozenset(),
-    ):  # fmt: skip
+    ):
         self.params, self.seed, self.constraint = params, seed, constraint
         self.eos_ids, self.eos_until = torch.tensor(sorted(eos), dtype=torch.long), len(prompt) + params.min_tokens
         self.noise: dict[int, torch.Tensor] = {}  # whole-vocabulary noise of recent positions

@@ -108,8 +108,11 @@ def check_function(tool: object, i: int) -> dict:
     why = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(params))
     if why:
         raise ParamError("tools", f"{where}.function.parameters is not a usable JSON schema: {why.splitlines()[0]}")
-    return {"name": f["name"], **({"description": f["description"]} if f.get("description") else {}),
-            "parameters": params}  # fmt: skip
+    return {
+        "name": f["name"],
+        **({"description": f["description"]} if f.get("description") else {}),
+        "parameters": params,
+    }
 
 
 def lark(tools: Tools, marker_token: bool) -> str:
@@ -119,8 +122,10 @@ def lark(tools: Tools, marker_token: bool) -> str:
     any other text holds no OPEN, so text and calls never mix up."""
     fns = [f for f in tools.functions if tools.choice in CHOICES or f["name"] == tools.choice]
     q = json.dumps
-    rules = [f"fn{i}: {q(f['name'] + ARGS)} %json {q({**f['parameters'], 'x-guidance': JSON_FORMAT})}"
-             for i, f in enumerate(fns)]  # fmt: skip
+    rules = [
+        f"fn{i}: {q(f['name'] + ARGS)} %json {q({**f['parameters'], 'x-guidance': JSON_FORMAT})}"
+        for i, f in enumerate(fns)
+    ]
     rules.append(f"fns: {' | '.join(f'fn{i}' for i in range(len(fns)))}")
     opening, closing = ("<tool_call>", "</tool_call>") if marker_token else (q(OPEN), q(CLOSE))
     rules.append(f"body: {q(HEAD)} fns {q(TRAILER[: -len(CLOSE)])} {closing}")
@@ -150,8 +155,12 @@ def render(messages: list[dict], tools: Tools | None, tokenizer) -> tuple[list[d
     with "tool_calls" ([{"name", "arguments": object}]). A template that takes tools gets them and the calls as its
     own; another gets them as text (TOLD in the system message, calls in the answer, results as the user's)."""
     if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
-        out = [{**m, "tool_calls": [{"type": "function", "function": c} for c in m["tool_calls"]]}
-               if m.get("tool_calls") else m for m in messages]  # fmt: skip
+        out = [
+            {**m, "tool_calls": [{"type": "function", "function": c} for c in m["tool_calls"]]}
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
         return out, tools.schemas() if tools else None
     out = [told(m) for m in messages]
     if tools:

@@ -1,7 +1,7 @@
-"""How much of an n-gram continuation a round verifies: a forward's seconds as a line in its row count, and the
-chance that a copied token at each depth is accepted, by the order of the n-gram match; both measured on live
-rounds. A copy is scored against the tokens actually generated whether or not it was verified, so every round
-that had a match teaches the table: no round has to be spent on copying to learn whether copying pays.
+"""How much of a copied chain a round verifies (the row-cost planner): a forward's seconds as a line in its row
+count, measured on live rounds, against the chance that a copied token at each depth is accepted, which the
+copying drafter measures (`DepthAcceptance`: a copy is scored against the tokens actually generated whether or
+not it was verified, so no round has to be spent on copying to learn whether copying pays).
 
 Why: a forward's first row pays for streaming the weights, each further row only for its arithmetic, and on a
 compute-bound CPU kernel that arithmetic is not small (Qwen2.5-0.5B on a 2-core Zen 5: 16 rows cost 2.0x one,
@@ -12,15 +12,13 @@ decoding together a forward already yields 8 tokens, so an extra row must be acc
 
 from __future__ import annotations
 
-from swiftdecode.decoding.request import Request
-from swiftdecode.drafters.layer_skip.draft import ngram_continuation
+from collections.abc import Callable
 
 # The fit and the acceptance counts keep this much per observation (about the last 100): costs drift with the
 # context length, acceptance with the text.
 KEEP = 0.99
 PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, proposed) each depth starts from: an even chance, overruled in a few rounds
 MAX_DEPTH = 16  # depths counted; deeper copied tokens share the last count
-FORCED = 99  # the acceptance table's key for the tokens a grammar forces (a tool call's frame), beside n-gram orders
 
 
 class CostLine:
@@ -62,51 +60,15 @@ class DepthAcceptance:
         return self.accepted[d] / self.proposed[d]
 
 
-def tokens_that_pay(line: CostLine, acceptance: DepthAcceptance, rows: int, cap: int) -> int:
+def tokens_that_pay(line: CostLine, accept: Callable[[int], float], rows: int, cap: int) -> int:
     """How many copied tokens (at most `cap`) to add to a forward of `rows` rows that yields `rows` tokens: while
-    the next one's acceptance chance p raises tokens per second, (tokens + p) / (seconds + b) > tokens / seconds,
-    with seconds = a + b·rows. `cap` until the line exists (so the rows vary and it can form)."""
+    the next one's acceptance chance p = accept(depth) raises tokens per second, (tokens + p) / (seconds + b) >
+    tokens / seconds, with seconds = a + b·rows. `cap` until the line exists (so the rows vary and it can form)."""
     fit = line.line()
     if fit is None or fit[1] <= 0 or fit[0] + fit[1] * rows <= 0:
         return cap
     b = fit[1]
     tokens, seconds, n = float(rows), fit[0] + b * rows, 0
-    while n < cap and acceptance.accept(n + 1) * seconds > b * tokens:
-        n, tokens, seconds = n + 1, tokens + acceptance.accept(n + 1), seconds + b
+    while n < cap and accept(n + 1) * seconds > b * tokens:
+        n, tokens, seconds = n + 1, tokens + accept(n + 1), seconds + b
     return n
-
-
-class CopyPlanner:
-    """One request's forward cost line and copy acceptance by n-gram match order, learned across requests; a
-    request keeps its own pending copies (`plan`'s `pending`: start, tokens, order). Batched forwards keep a line
-    of their own (the kernel's cost per row is not one line from 1 to 16 rows: it steps where its row blocks do)."""
-
-    def __init__(self):
-        self.line = CostLine()
-        self.acceptance: dict[int, DepthAcceptance] = {}
-
-    def plan(self, req: Request, rows: int, length: int, line: CostLine | None = None) -> tuple[list[int], int]:
-        """Score the request's pending copies its context now decides; then the tokens its grammar forces or else
-        its n-gram continuation (at most `length` tokens) and how many of them pay in a forward of `rows` rows
-        ([], 0 without either), by `line` (default: this planner's, of one request's forwards)."""
-        ctx, constraint = req.ctx, req.sampler.constraint
-        self.resolve(ctx, req.copies)
-        forced = constraint.forced(length) if constraint is not None else []
-        copied, order = (forced, FORCED) if forced else ngram_continuation(ctx, length)
-        if not order:
-            return [], 0
-        req.copies.append((len(ctx), copied, order))
-        acceptance = self.acceptance.setdefault(order, DepthAcceptance())
-        return copied, tokens_that_pay(line or self.line, acceptance, rows, len(copied))
-
-    def resolve(self, ctx: list[int], pending: list) -> None:
-        """Record each pending copy whose fate ctx tells (a mismatch, or all its tokens generated); keep the rest."""
-        undecided = []
-        for start, copied, order in pending:
-            known = ctx[start : start + len(copied)]
-            k = next((i for i, (a, b) in enumerate(zip(known, copied, strict=False)) if a != b), len(known))
-            if k < len(known) or len(known) == len(copied):
-                self.acceptance[order].record(len(copied), k)
-            else:
-                undecided.append((start, copied, order))
-        pending[:] = undecided

@@ -19,14 +19,13 @@ from collections.abc import Callable
 import torch
 
 from swiftdecode.decoding.request import Request, StreamEvent
-from swiftdecode.decoding.verification import verify
-from swiftdecode.drafters.layer_skip.draft import add_chain
 from swiftdecode.drafters.rowcost import CostLine
-from swiftdecode.engine.generator import Generator, refill
+from swiftdecode.engine.generator import Generator
+from swiftdecode.engine.round import account, forward_trees, settle
 from swiftdecode.runtime.tree import Tree
 
 # Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
-# measured: rowcost.CopyPlanner); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
+# measured: rowcost.tokens_that_pay); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
 # proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
 # Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
@@ -54,7 +53,7 @@ class Batch:
         (or the engine must see its whole prefill), else in chunks over the next rounds. Returns its first event
         if it has one yet."""
         if not len(self) or not self.gen.plain_prefill():
-            event = refill(self.gen.sm, req) if req.resumed else self.gen.begin(req)
+            event = self.gen.refill(req) if req.resumed else self.gen.begin(req)
             if not req.done:
                 self.active.append(req)
             return event
@@ -85,38 +84,39 @@ class Batch:
         return out
 
     def _batched_round(self, reqs: list[Request]) -> list[tuple[Request, StreamEvent | Exception | None]]:
-        gen, sm = self.gen, self.gen.sm
-        speculate = gen.cfg is not None and "ngram" in gen.cfg.modes
+        """One round (`round`) for `reqs` together: each proposes the copy that pays in a forward of this many
+        rows (or only its last token), and the first joining request's prompt rides along as a chunk."""
+        gen = self.gen
+        speculate = gen.cfg is not None and any(d.copies for d in gen.proposer.drafters.values())
         cap = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
-        trees, parts = [], []
+        trees, kinds = [], []
         for req in reqs:
             tree = Tree(req.ctx[-1])
-            copied, pays = gen.copies.plan(req, len(reqs), min(cap, req.room - 1), self.line)
-            add_chain(tree, copied[:pays], pays)
+            copy, pays, kind = gen.proposer.copy(req, len(reqs), min(cap, req.room - 1), self.line)
+            if pays:
+                tree.add_chain(copy.tokens[:pays], pays, kind)
             trees.append(tree)
-            parts.append((tree.input_ids(), tree.positions(req.cache.length), tree.ancestry(), req.cache))
+            kinds.append(kind if pays else "plain")
         joiner = self.joining[0] if self.joining else None
+        chunk, picks = None, False
         if joiner is not None:  # the whole rest of its prompt when nobody decodes, else one chunk
             done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
             end = goal if not reqs else min(done + PREFILL_CHUNK, goal)
             causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
-            parts.append((joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache))
+            chunk = (joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache)
             picks = end == goal and not joiner.resumed  # its last prompt row's logits choose its first token
         starts = [req.cache.length for req in reqs]
-        self.rows = sum(len(part[0]) for part in parts)
+        self.rows = sum(len(t) + 1 for t in trees) + (len(chunk[0]) if chunk else 0)
         t0 = time.perf_counter()
-        hidden = sm.forward_batch(parts)
-        rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if joiner is not None and picks else [])
-        logits = sm.logits(torch.cat(rows)).split([len(h) for h in rows]) if rows else []
+        logits, last = forward_trees(gen.sm, reqs, trees, chunk, picks)
         elapsed = time.perf_counter() - t0
         if joiner is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
             self.line.record(self.rows, elapsed)
-        seconds = elapsed / len(parts)  # the shared forward, split evenly
+        seconds = elapsed / (len(reqs) + (joiner is not None))  # the shared forward, split evenly
         out = []
-        for req, tree, start, scores in zip(reqs, trees, starts, logits, strict=False):
-            out.append((req, self._settled(req, self._verified, req, tree, start, scores, seconds)))
+        for req, tree, kind, start, scores in zip(reqs, trees, kinds, starts, logits, strict=True):
+            out.append((req, self._settled(req, self._verified, req, tree, kind, start, scores, seconds)))
         if joiner is not None:
-            last = logits[-1] if picks else None
             out.append((joiner, self._settled(joiner, self._prefilled, joiner, end == goal, seconds, last)))
         return [(req, event) for req, event in out if event is not NOT_YET]
 
@@ -131,16 +131,13 @@ class Batch:
             return e
 
     def _verified(
-        self, req: Request, tree: Tree, start: int, scores: torch.Tensor, seconds: float
+        self, req: Request, tree: Tree, kind: str, start: int, scores: torch.Tensor, seconds: float
     ) -> StreamEvent | None:
         """Verify a request's tree against its logits rows [len(tree) + 1, V], keep the accepted path's cache
-        entries and take its tokens."""
-        path, bonus = verify(tree, scores, req.sampler, start)
-        kept = [0] + [i + 1 for i in path]  # rows that chose the round's tokens
-        req.cache.keep(start, kept)
-        _account(req, tree, path, seconds)
-        rows = scores[kept] if req.top_logprobs is not None else None
-        return self.gen.advance(req, [tree.tokens[i] for i in path] + [bonus], rows)
+        entries, count the round and take its tokens."""
+        tokens, rows, path = settle(req, tree, start, scores)
+        account(req.stats, kind, tree, path, seconds, seconds, batched=True)
+        return self.gen.advance(req, tokens, rows)
 
     def _prefilled(self, req: Request, last: bool, seconds: float, logits) -> StreamEvent | None | object:
         """Record a prefilled chunk; after the `last` one the request takes its first token (from `logits`; an
@@ -155,14 +152,3 @@ class Batch:
         if not req.done:
             self.active.append(req)
         return event
-
-
-def _account(req: Request, tree: Tree, path: list[int], seconds: float) -> None:
-    """Count a batched round in the request's stats: its kind, time share and accepted tokens by source."""
-    s, kind = req.stats, "ngram" if len(tree) else "plain"
-    s.batched_rounds += 1
-    s.round_kinds[kind] += 1
-    s.round_seconds[kind] += seconds
-    s.time_split["verify"] += seconds
-    if len(tree):
-        s.count_tree(tree, path)

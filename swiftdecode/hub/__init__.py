@@ -18,6 +18,17 @@ from swiftdecode.hub.registry import DEFAULT_MODEL, REGISTRY, WEIGHTS, ModelSpec
 from swiftdecode.hub.store import pull
 
 __all__ = [
-    "DEFAULT_MODEL", "FORMAT", "GGUF_FILE", "MARKER", "REGISTRY", "WEIGHTS", "ModelSpec", "convert_gguf",
-    "known_names", "load_model", "locate_gguf", "pull", "resolve_cache_dir",
-]  # fmt: skip
+    "DEFAULT_MODEL",
+    "FORMAT",
+    "GGUF_FILE",
+    "MARKER",
+    "REGISTRY",
+    "WEIGHTS",
+    "ModelSpec",
+    "convert_gguf",
+    "known_names",
+    "load_model",
+    "locate_gguf",
+    "pull",
+    "resolve_cache_dir",
+]

@@ -99,9 +99,12 @@ def _check_weights(weights: str) -> None:
 
 
 def pull(
-    name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True, force: bool = False,
+    name: str,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    force: bool = False,
     weights: str = "gguf",
-) -> Path:  # fmt: skip
+) -> Path:
     """Install, assemble and verify registry model `name` into its cache entry; return the entry folder.
 
     weights="gguf" (default): the entry `<cache>/<name>-gguf` holds the GGUF itself (`model.gguf`) with its

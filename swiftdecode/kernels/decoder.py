@@ -78,8 +78,16 @@ class FusedDecoder:
         self._fn.argtypes = [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
         self._fn.restype = None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: bytes, seqs: list, tables: list,
-            scratch: torch.Tensor) -> None:  # fmt: skip
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        skip: bytes,
+        seqs: list,
+        tables: list,
+        scratch: torch.Tensor,
+    ) -> None:
         """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, head_dim]; skip: a flag
         byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; tables: per sequence its
         cache's KVEntry array (one per layer; buffers [kv_heads, capacity, head_dim] with room for the
@@ -88,7 +96,18 @@ class FusedDecoder:
         seq_arr = (_Seq * len(seqs))(*(_Seq(rows, row0, m.data_ptr(), m.stride(0)) for rows, row0, m in seqs))
         kv_arr = (_P * len(tables))(*(ctypes.addressof(t) for t in tables))
         self._fn(
-            ctypes.byref(self.config), self.table, self.n_layers, skip, ctypes.byref(self.ops), x.data_ptr(),
-            x.shape[0], cos.data_ptr(), sin.data_ptr(), seq_arr, len(seqs), kv_arr, scratch.data_ptr(),
+            ctypes.byref(self.config),
+            self.table,
+            self.n_layers,
+            skip,
+            ctypes.byref(self.ops),
+            x.data_ptr(),
+            x.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            seq_arr,
+            len(seqs),
+            kv_arr,
+            scratch.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )

@@ -29,6 +29,26 @@ def build_kernel(isa: str, out_dir: Path | None = None) -> Path:
     return build(SOURCE, f"skinny_gemm_{isa}", ISA_FLAGS[isa], out_dir)
 
 
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# argument types of each entry point sd_<name>_<isa> (csrc/skinny_gemm.cpp; all return void)
+SIGNATURES = {
+    "linear": [P] * 4 + [I64] * 3 + [I32],
+    "linear_t": [P] * 4 + [I64] * 3 + [F32] + [P] * 2 + [I32],
+    "attention": [P, I64, I64] * 3 + [P, I64, P, *[I64] * 5, F32, P, I32],
+    "attention_many": [P] * 6 + [I64] * 4 + [F32, P, I64, I32, I32],
+    "rmsnorm": [P] * 3 + [I64] * 2 + [F32, I32],
+    "rope": [P] * 3 + [I64] * 3,
+    "silu_mul": [P] * 2 + [I64, I32],
+}
+
+
+def _bind(lib: ctypes.CDLL, name: str, isa: str):
+    """The library's entry point sd_<name>_<isa>, typed by SIGNATURES."""
+    fn = getattr(lib, f"sd_{name}_{isa}")
+    fn.argtypes, fn.restype = SIGNATURES[name], None
+    return fn
+
+
 class Kernel:
     """ctypes binding of sd_linear_<isa>(x, w, b, y, M, N, K, nthreads) for contiguous fp32 tensors."""
 
@@ -36,40 +56,21 @@ class Kernel:
         self.isa = isa
         self.max_head_dim = 4096  # attention keeps per-key scores in scratch, not the head dim in registers
         self._lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
-        self._fn = getattr(self._lib, f"sd_linear_{isa}")
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._fn.restype = None
-        self._fn_t = getattr(self._lib, f"sd_linear_t_{isa}")
-        self._fn_t.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2
-        self._fn_t.argtypes += [ctypes.c_int]
-        self._fn_t.restype = None
-        self._attn = getattr(self._lib, f"sd_attention_{isa}")
-        self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
-        self._attn.restype = None
-        self._attn_many = getattr(self._lib, f"sd_attention_many_{isa}")
-        self._attn_many.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p]
-        self._attn_many.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-        self._attn_many.restype = None
-        self._norm = getattr(self._lib, f"sd_rmsnorm_{isa}")
-        self._norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-        self._norm.restype = None
-        self._rope = getattr(self._lib, f"sd_rope_{isa}")
-        self._rope.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        self._rope.restype = None
-        self._silu_mul = getattr(self._lib, f"sd_silu_mul_{isa}")
-        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-        self._silu_mul.restype = None
+        fns = {name: _bind(self._lib, name, isa) for name in SIGNATURES}
+        self._fn, self._fn_t, self._attn, self._attn_many = (
+            fns[n] for n in ("linear", "linear_t", "attention", "attention_many")
+        )
+        self._norm, self._rope, self._silu_mul = fns["rmsnorm"], fns["rope"], fns["silu_mul"]
         # entry points for native callers (kernels/decoder.py), so the process runs one fp32 implementation
         self.addresses = {
             name: ctypes.cast(fn, ctypes.c_void_p).value
             for name, fn in (
-                ("rmsnorm", self._norm), ("rope", self._rope), ("attention_many", self._attn_many),
+                ("rmsnorm", self._norm),
+                ("rope", self._rope),
+                ("attention_many", self._attn_many),
                 ("silu_mul", self._silu_mul),
             )
-        }  # fmt: skip
+        }
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [q, heads, D] (contiguous, in place) by cos/sin [q, D] as HF's rotate_half does; returns x."""
@@ -104,10 +105,26 @@ class Kernel:
         scratch = self.attention_scratch(t)
         mask_args = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
         self._attn(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-            v.data_ptr(), v.stride(0), v.stride(1), *mask_args, out.data_ptr(),
-            h, hkv, m, t, d, scale, scratch.data_ptr(), threads,
-        )  # fmt: skip
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k.data_ptr(),
+            k.stride(0),
+            k.stride(1),
+            v.data_ptr(),
+            v.stride(0),
+            v.stride(1),
+            *mask_args,
+            out.data_ptr(),
+            h,
+            hkv,
+            m,
+            t,
+            d,
+            scale,
+            scratch.data_ptr(),
+            threads,
+        )
         return out
 
     def attention_many(
@@ -131,9 +148,22 @@ class Kernel:
         scratch = self.attention_scratch(max_t)
         ptrs = lambda ts: (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
         self._attn_many(
-            q.data_ptr(), ptrs(ks), ptrs(vs), ptrs(masks), (ctypes.c_int64 * len(dims))(*dims), out.data_ptr(),
-            n, h, hkv, d, scale, scratch.data_ptr(), max_t, threads, int(ks[0].dtype == torch.float16),
-        )  # fmt: skip
+            q.data_ptr(),
+            ptrs(ks),
+            ptrs(vs),
+            ptrs(masks),
+            (ctypes.c_int64 * len(dims))(*dims),
+            out.data_ptr(),
+            n,
+            h,
+            hkv,
+            d,
+            scale,
+            scratch.data_ptr(),
+            max_t,
+            threads,
+            int(ks[0].dtype == torch.float16),
+        )
         return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

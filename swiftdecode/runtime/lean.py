@@ -121,18 +121,24 @@ class LeanDecoder:
             if hasattr(kernel, "addresses") and self.quantized:
                 weights = [
                     LayerWeights(
-                        tuple(m.qweight for m in ms), tuple(m.bias for m in ms),
+                        tuple(m.qweight for m in ms),
+                        tuple(m.bias for m in ms),
                         layer.input_layernorm.weight.float().contiguous(),
                         layer.post_attention_layernorm.weight.float().contiguous(),
                     )
                     for layer, ms in zip(self.layers, linears, strict=True)
-                ]  # fmt: skip
+                ]
                 attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
                 dims = dict(
-                    hidden=attn.o_proj.out_features, heads=attn.q_proj.out_features // self.head_dim,
-                    kv_heads=self.kv_heads, head_dim=self.head_dim, inter=mlp.gate_proj.out_features,
-                    eps=self.eps, scale=self.scale, kv_half=int(self.kv_dtype == torch.float16),
-                )  # fmt: skip
+                    hidden=attn.o_proj.out_features,
+                    heads=attn.q_proj.out_features // self.head_dim,
+                    kv_heads=self.kv_heads,
+                    head_dim=self.head_dim,
+                    inter=mlp.gate_proj.out_features,
+                    eps=self.eps,
+                    scale=self.scale,
+                    kv_half=int(self.kv_dtype == torch.float16),
+                )
                 fused = FusedDecoder(attn.q_proj.kernel, weights, dims, kernel.addresses)
             self._fused = (kernel, fused)
         return self._fused[1]

@@ -3,6 +3,8 @@ explicit (tree) attention masks, and a full or vocabulary-subset output head."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from swiftdecode.kernels.modules import QuantLinear
@@ -12,14 +14,19 @@ from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.skip import LayerSkipper, SkipSet
 from swiftdecode.runtime.tree import attention_mask
 
+Observer = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden in, hidden out)
+
 # Tokens of the forward `warm_up` runs: two rows take every kernel path a prompt's prefill takes (several-row
 # products, causal attention); both loops' forwards together took 14-22 ms on SmolLM2-135M, 31-33 ms on
 # Qwen2.5-0.5B (Intel Xeon, 2 threads).
 WARM_UP_TOKENS = 2
 
 
+Part = tuple[list[int], torch.Tensor, torch.Tensor, SwiftCache]  # one sequence's rows of a forward_batch
+
+
 class SwiftModel:
-    """Holds the model, its sublayer skipper and the cache of the sequence being decoded (batch size 1)."""
+    """Holds the model and its sublayer skipper; every forward runs on the caches it is given."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model.eval()
@@ -39,9 +46,7 @@ class SwiftModel:
         self.max_length = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.draft_ids: torch.Tensor | None = None
         self.draft_weight: torch.Tensor | QuantWeight | None = None
-        self.cache = SwiftCache(self.n_layers)
         self.lean = lean.LeanDecoder(model) if lean.supported(model) else None
-        self.observer = None  # optional fn(layer, hidden in, hidden out) called by the lean forward
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's keys and values take in the cache, all layers."""
@@ -51,23 +56,24 @@ class SwiftModel:
         kv = self.lean.kv_dtype if self._lean_kernel() is not None else None  # the lean forward's, else the model's
         return self.n_layers * 2 * kv_heads * head_dim * torch.finfo(kv or self.dtype).bits // 8
 
-    def reset(self) -> None:
-        self.cache = SwiftCache(self.n_layers)
-
     @torch.inference_mode()
     def forward(
         self,
         ids: list[int],
         positions: torch.Tensor,
         new_allowed: torch.Tensor,
+        cache: SwiftCache,
         visible: torch.Tensor | int | None = None,
         skip: SkipSet | None = None,
+        observe: Observer | None = None,
     ) -> torch.Tensor:
-        """Run q new tokens (positions [q], mutual visibility [q, q]) on top of the cache; append their KV.
+        """Run q new tokens (positions [q], mutual visibility [q, q]) on top of `cache`; append their KV.
 
-        Cached entries below `visible` (default: all) are visible to each query. Returns hidden states [q, H].
+        Cached entries below `visible` (default: all) are visible to each query; `observe(layer, hidden in,
+        hidden out)` sees each layer of the lean forward (the transformers path: hook the modules). Returns hidden
+        states [q, H].
         """
-        prefix = self.cache.length
+        prefix = cache.length
         vis = prefix if visible is None else visible
         mask = attention_mask(positions, prefix, vis, new_allowed, self.dtype)
         if self.layer_types:
@@ -77,15 +83,13 @@ class SwiftModel:
         if kernel is not None:
             ids_t = torch.tensor(ids, device=self.device)
             with sparsity.draft(skip.sparsity if skip else 0):
-                return self.lean.forward(
-                    ids_t, positions, [mask[0, 0]], [self.cache], skip or SkipSet(), kernel, self.observer
-                )
+                return self.lean.forward(ids_t, positions, [mask[0, 0]], [cache], skip or SkipSet(), kernel, observe)
         with self.skipper.use(skip), sparsity.draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
-                cache=self.cache,
+                cache=cache,
                 use_cache=True,
             )
         return out.last_hidden_state[0]
@@ -106,31 +110,25 @@ class SwiftModel:
         return fastpath.info_of(self.model).sparsity.calibrate()
 
     @torch.inference_mode()
-    def forward_batch(
-        self, parts: list[tuple[list[int], torch.Tensor, torch.Tensor, SwiftCache]]
-    ) -> list[torch.Tensor]:
+    def forward_batch(self, parts: list[Part]) -> list[torch.Tensor]:
         """Full-model forwards of several sequences, part j = (ids, positions [q_j], new_allowed [q_j, q_j], cache)
         appended after its own cache (all of it visible). On the lean kernel path one pass over the weights serves
         all rows; elsewhere the parts run one after another. Either way part j's hidden states [q_j, H] are
-        bit-identical to its own `forward`. Leaves `self.cache` unspecified."""
+        bit-identical to its own `forward`."""
         kernel = self._lean_kernel()
         if kernel is None or len(parts) == 1:
-            out = []
-            for ids, positions, allowed, cache in parts:
-                self.cache = cache
-                out.append(self.forward(ids, positions, allowed))
-            return out
+            return [self.forward(*part) for part in parts]
         masks = [attention_mask(p, c.length, c.length, a, self.dtype)[0, 0] for _, p, a, c in parts]
         ids = torch.tensor([t for part in parts for t in part[0]], device=self.device)
         positions = torch.cat([part[1] for part in parts])
         hidden = self.lean.forward(ids, positions, masks, [part[3] for part in parts], SkipSet(), kernel)
         return list(hidden.split([len(part[0]) for part in parts]))
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Causal forward of `ids` after the cache; returns hidden states [len(ids), H]."""
-        start = self.cache.length
+    def prefill(self, ids: list[int], cache: SwiftCache, observe: Observer | None = None) -> torch.Tensor:
+        """Causal forward of `ids` after `cache`; returns hidden states [len(ids), H]."""
+        start = cache.length
         causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril_()
-        return self.forward(ids, torch.arange(start, start + len(ids)), causal)
+        return self.forward(ids, torch.arange(start, start + len(ids)), causal, cache, observe=observe)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
@@ -192,12 +190,7 @@ def warm_up(sm: SwiftModel) -> SwiftModel:
     lean forward no longer uses it (`lean.rotary`); the transformers layer loop (Gemma) still runs torch's
     transcendental functions, so their first calls happen here, not in a request. Call it from the thread that
     will decode."""
-    saved, observer = sm.cache, sm.observer
-    loops = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]
-    try:
-        for loop_observer in loops:
-            sm.cache, sm.observer = SwiftCache(sm.n_layers), loop_observer
-            sm.prefill(list(range(WARM_UP_TOKENS)))
-    finally:
-        sm.cache, sm.observer = saved, observer
+    observers = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]
+    for observe in observers:
+        sm.prefill(list(range(WARM_UP_TOKENS)), SwiftCache(sm.n_layers), observe)
     return sm

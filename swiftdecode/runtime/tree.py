@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SKIP, NGRAM = 1, 2  # drafter bits of Tree.sources: the layer-skipped model, n-gram copying from the context
-SOURCE_NAMES = {SKIP: "skip", NGRAM: "ngram", SKIP | NGRAM: "both"}
+SEVERAL = "both"  # the source of a node that more than one drafter proposed
 
 
 @dataclass
@@ -15,31 +14,40 @@ class Tree:
     """Draft tokens below a root (the last accepted token, not yet in the cache).
 
     Node i has token `tokens[i]`, parent `parents[i]` (−1 = root), depth `depths[i]` ≥ 1 and `sources[i]`, the
-    bitwise OR of the drafters that proposed it (SKIP, NGRAM); parents precede children. `children(−1)` lists
-    the root's children in candidate order (best first).
+    source name of the drafter that proposed it (SEVERAL if more than one did); parents precede children.
+    `children(−1)` lists the root's children in candidate order (best first).
     """
 
     root: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int, source: int) -> int:
+    def add(self, token: int, parent: int, source: str) -> int:
         """Append a child of `parent` proposed by drafter `source` unless that token is already one (then mark
         it proposed by `source` too); return the node index."""
         for i in self.children(parent):
             if self.tokens[i] == token:
-                self.sources[i] |= source
+                self.sources[i] = source if self.sources[i] == source else SEVERAL
                 return i
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.sources.append(source)
         return len(self.tokens) - 1
+
+    def add_chain(self, tokens: list[int], max_nodes: int, source: str) -> None:
+        """Add tokens as a path from the root, merging with nodes already there, while the tree holds at most
+        `max_nodes` nodes (the root not counted)."""
+        parent = -1
+        for t in tokens:
+            if len(self.tokens) >= max_nodes and all(self.tokens[i] != t for i in self.children(parent)):
+                return
+            parent = self.add(t, parent, source)  # merges with an existing child
 
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]

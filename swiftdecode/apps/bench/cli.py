@@ -86,7 +86,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
     methods = parse_methods(args.methods, args.draft_model)
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    check_params(args.max_new_tokens, args.temperature, args.top_p, names=FLAGS)
+    args.params = check_params(args.max_new_tokens, args.temperature, args.top_p, names=FLAGS)  # the runners' (once)
     if args.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
     if args.concurrency < 0 or args.max_batch < 1 or args.pairs < 1:

@@ -48,8 +48,14 @@ def hf_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
         rss = peak_rss_mb()
         new = cut_at_eos(y[0, len(ids) :].tolist(), eos)
         accepted, acceptance = probe.stats()
-        return Outcome(new, wall, rounds=probe.rounds or None, mean_accepted_tokens=accepted,
-                       acceptance_rate=acceptance, peak_rss_mb=rss)  # fmt: skip
+        return Outcome(
+            new,
+            wall,
+            rounds=probe.rounds or None,
+            mean_accepted_tokens=accepted,
+            acceptance_rate=acceptance,
+            peak_rss_mb=rss,
+        )
 
     return call
 

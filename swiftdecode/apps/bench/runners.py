@@ -173,8 +173,7 @@ def engine_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
     def call(ids: list[int], seed: int) -> Outcome:
         reset_peak_rss()
         t0 = time.perf_counter()
-        res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=seed, grammar=args.grammar)  # fmt: skip
+        res = gen.generate(ids, params=args.params, seed=seed, grammar=args.grammar)
         wall = time.perf_counter() - t0
         st = res.stats.to_dict()
         rounds = st["tree_rounds"] or None  # ar: no tree rounds, no acceptance

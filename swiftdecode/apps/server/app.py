@@ -258,11 +258,11 @@ class Api:
         try:
             firsts = await first_events(jobs)  # surfaces queue/parameter errors as a proper HTTP status
             if stream:
-                text_of = self.token_text if params["logprobs"] is not None else None
+                text_of = self.token_text if params["params"].logprobs is not None else None
                 parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
                 said = self.echoed(prompt, choices[0]) if echo else None
-                sse = sse_chunks(responses.chunk_head(head, chat), chat, req.include_usage, parts, text_of, said,
-                                 req.tools is not None)  # fmt: skip
+                first = responses.chunk_head(head, chat)
+                sse = sse_chunks(first, chat, req.include_usage, parts, text_of, said, req.tools is not None)
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             ends = [last_result(f, events) for f, events in zip(firsts, jobs, strict=True)]
             results = await asyncio.gather(*ends, return_exceptions=True)

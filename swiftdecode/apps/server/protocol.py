@@ -9,7 +9,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from swiftdecode.base.params import CONTROLS, MAX_BIAS_IDS, MAX_TOP_LOGPROBS, SHOWN, ParamError, check_params
@@ -141,8 +141,9 @@ def parse_request(raw: bytes, chat: bool, model_id: str) -> Parsed:
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
-    """OpenAI sampling fields -> Generator.stream keyword arguments. JSON types and OpenAI's own limits are
-    checked here, the values' rules by `check_params` (the engine's validator)."""
+    """OpenAI sampling fields -> Generator.request keyword arguments: `params` (validated by `check_params`, once:
+    the engine takes them as they are; max_new_tokens 0 where only the prompt is scored), `seed` and `grammar`.
+    JSON types and OpenAI's own limits are checked here."""
     for key in UNSUPPORTED:
         if body.get(key) not in NEUTRAL + NEUTRAL_EXTRA.get(key, ()):
             raise ApiError(400, f"'{key}' is not supported by this server", key)
@@ -163,15 +164,13 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     ends = {"min_tokens": take(body, "min_tokens", "int", 0), "ignore_eos": take(body, "ignore_eos", "bool", False)}
     controls |= {k: v for k, v in ends.items() if v}  # vLLM's extensions, at their neutral values when absent
     bias = parse_logit_bias(body)
+    logprobs = parse_logprobs(body, chat)
     try:
-        params = check_params(1 if score_only else max_tokens, temperature, top_p, top_k, stop, names=QUOTED,
-                              logit_bias=bias, **controls)  # fmt: skip
+        first = 1 if score_only else max_tokens
+        params = check_params(first, temperature, top_p, top_k, stop, QUOTED, logprobs, logit_bias=bias, **controls)
     except ParamError as e:
         raise ApiError(400, str(e), API_NAMES.get(e.field, e.field)) from None
-    sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=top_k, seed=seed, stop=stop or None)
-    sampling |= {k: v for k, v in controls.items() if k not in CONTROLS or v != CONTROLS[k][0]}
-    sampling |= {"logit_bias": bias} if bias else {}
-    return {"max_new_tokens": max_tokens, **sampling, "logprobs": parse_logprobs(body, chat), **parse_grammar(body)}
+    return {"params": replace(params, max_new_tokens=max_tokens), "seed": seed, **parse_grammar(body)}
 
 
 def parse_grammar(body: dict) -> dict:

@@ -67,9 +67,13 @@ def finite(logprob: float) -> float | None:
 
 
 def completion(
-    head: dict, chat: bool, results: list, text_of: Callable[[int], str], echo: tuple | None = None,
+    head: dict,
+    chat: bool,
+    results: list,
+    text_of: Callable[[int], str],
+    echo: tuple | None = None,
     tools: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
     engine's statistics of the first choice. `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
     for ids[1:] or None), which each choice's text and logprobs begin with. `tools`: the answers are split into
@@ -120,9 +124,15 @@ class ToolDeltas:
 
 
 def chunk(
-    head: dict, chat: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None,
-    index: int = 0, delta: dict | None = None,
-) -> str:  # fmt: skip
+    head: dict,
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+    logprobs: dict | None = None,
+    index: int = 0,
+    delta: dict | None = None,
+) -> str:
     """A streamed chunk of choice `index` (`head` from chunk_head): a piece of text (chat: or a `delta`), or the
     finish reason (text None), with the `logprobs` of the tokens it completes (from logprobs_json) if any."""
     if chat:

@@ -13,19 +13,23 @@ import itertools
 import json
 import math
 import random
-import re
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit
 
+from swiftdecode.apps.server.soak_process import (
+    HEALTH_TIMEOUT_S,
+    metrics_5xx,
+    prefix_mb,
+    rss_mb,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from swiftdecode.apps.server.soak_requests import (
     COMPLETIONS,
     PROBE_TIMEOUT_S,
@@ -39,19 +43,17 @@ from swiftdecode.apps.server.soak_requests import (
     send,
     slow_body,
     valid_requests,
-)  # fmt: skip
+)
 from swiftdecode.base.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m"  # the smallest registry model: the soak tests the server, not the model
-STARTUP_S = 180  # the first start compiles kernels
 VALID_TIMEOUT_S = 120  # a valid request may wait behind a full batch and a full queue
-HEALTH_EVERY_S, HEALTH_TIMEOUT_S = 0.25, 5.0  # /health must stay responsive while the engine is busy
+HEALTH_EVERY_S = 0.25  # /health must stay responsive while the engine is busy
 HEALTH_P99_MAX_S = 1.0  # above this the event loop was blocked
 RSS_GROWTH_MAX = 0.10  # end RSS at most 10% above the warmed-up baseline (shrinking is fine): no leak per request
 IDLE_S = 5  # idle time before the end RSS, so that finished requests' buffers are released
 VALID_SHARE = 0.75  # of the soak's requests; the rest are probes
 DROP_SHARE = 0.2  # of the streamed valid requests: closed after 1-3 chunks, as a client that leaves
-STOP_GRACE_S = 10  # SIGTERM, then SIGKILL after this long
 # Probes that decode before their answer: `x: x x | "a"` ends with a 400 only some 350 tokens in (its parse then
 # takes 50 ms a position), which with 32 clients' requests in the batch took over VALID_TIMEOUT_S twice in 10 min.
 SLOW_PROBE_TIMEOUT_S = 300
@@ -144,8 +146,9 @@ def run_probe(srv: Server, name: str, model: str, bodies: dict, tally: Tally) ->
     tally.add(f"probe.{name}.{'pass' if ok else 'fail'}", None if ok else detail)
 
 
-def client(srv: Server, specs: list, solo: dict, model: str, bodies: dict, seed: int, until: float, tally: Tally,
-           first: list) -> None:  # fmt: skip
+def client(
+    srv: Server, specs: list, solo: dict, model: str, bodies: dict, seed: int, until: float, tally: Tally, first: list
+) -> None:
     """Valid requests and probes until `until`: those of `first` (a valid request's spec or a probe's name), then
     at random, the probes in a seeded order that visits them all in turn."""
     rng = random.Random(seed)
@@ -177,8 +180,18 @@ def watch_health(srv: Server, stop: threading.Event, latencies: list[float], tal
             tally.add("health.fail", f"{type(e).__name__}: {e}")
 
 
-def soak(srv: Server, specs: list, solo: dict, model: str, bodies: dict, args: argparse.Namespace, tally: Tally,
-         seconds: int, desc: str = "soak", cover: bool = False):  # fmt: skip
+def soak(
+    srv: Server,
+    specs: list,
+    solo: dict,
+    model: str,
+    bodies: dict,
+    args: argparse.Namespace,
+    tally: Tally,
+    seconds: int,
+    desc: str = "soak",
+    cover: bool = False,
+):
     """The clients and the /health watcher for `seconds`: (/health latencies, clients still stuck)."""
     from tqdm import tqdm
 
@@ -209,65 +222,6 @@ def soak(srv: Server, specs: list, solo: dict, model: str, bodies: dict, args: a
     return latencies, sum(t.is_alive() for t in clients)
 
 
-def wait_ready(srv: Server, proc: subprocess.Popen | None, log_path: str | None) -> str:
-    """Wait for /health to answer 200; the served model's id."""
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = open(log_path, errors="replace").read()[-2000:] if log_path else ""
-            raise UserError(f"the server exited with status {proc.returncode}:\n{tail}")
-        try:
-            if send(srv, "/health", None, timeout=HEALTH_TIMEOUT_S)[0] == 200:
-                status, _, data = send(srv, "/v1/models", None, timeout=HEALTH_TIMEOUT_S)
-                if status != 200:
-                    raise UserError(f"GET /v1/models: status {status} (wrong --key?)")
-                return json.loads(data)["data"][0]["id"]
-        except (OSError, http.client.HTTPException):
-            pass  # not listening yet
-        time.sleep(1)
-    raise UserError(f"the server did not answer /health within {STARTUP_S} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """The process's resident memory (VmRSS), if known."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, TypeError):
-        return None
-
-
-def metrics_text(srv: Server) -> str:
-    """GET /metrics ("" if it does not answer)."""
-    try:
-        status, _, data = send(srv, "/metrics", None, timeout=HEALTH_TIMEOUT_S)
-    except (OSError, http.client.HTTPException):
-        return ""
-    return data.decode(errors="replace") if status == 200 else ""
-
-
-def metrics_5xx(srv: Server) -> dict[str, float] | None:
-    """The server's own count of 5xx responses by path, if /metrics answers."""
-    text = metrics_text(srv)
-    found = re.findall(r'http_requests_total\{path="([^"]*)",status="(5\d\d)"\} (\S+)', text)
-    return {f"{path} {code}": float(n) for path, code, n in found} if text else None
-
-
-def prefix_mb(srv: Server) -> float | None:
-    """The KV cache the server keeps for shared prompt prefixes (bounded by --prefix-cache-gb), if it says."""
-    found = re.search(r"^swiftdecode_prefix_cache_bytes (\S+)$", metrics_text(srv), re.M)
-    return float(found[1]) / 2**20 if found else None
-
-
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values) or [math.nan]
     return values[max(0, math.ceil(q * len(values)) - 1)]
@@ -282,10 +236,19 @@ def summarize(tally: Tally, probes: list[str], latencies: list[float], stuck: in
     health = {"checks": len(latencies), "failures": c["health.fail"]}
     health |= {f"{q}_s": round(percentile(latencies, v), 4) for q, v in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
     ratio = rss[1] / rss[0] if None not in rss else None
-    return {"requests": c["requests"], "valid": {"sent": sum(valid.values()), **valid}, "probes": probes,
-            "status_5xx": c["5xx"], "status_429": c["429"], "health": health, "stuck_clients": stuck,
-            "tool_errors": c["tool.error"], "rss_mb": {"baseline": rss[0], "end": rss[1], "ratio": ratio},
-            "server_5xx": metrics_5xx(srv), "notes": tally.notes}  # fmt: skip
+    return {
+        "requests": c["requests"],
+        "valid": {"sent": sum(valid.values()), **valid},
+        "probes": probes,
+        "status_5xx": c["5xx"],
+        "status_429": c["429"],
+        "health": health,
+        "stuck_clients": stuck,
+        "tool_errors": c["tool.error"],
+        "rss_mb": {"baseline": rss[0], "end": rss[1], "ratio": ratio},
+        "server_5xx": metrics_5xx(srv),
+        "notes": tally.notes,
+    }
 
 
 def verdict(s: dict) -> list[str]:
@@ -305,16 +268,22 @@ def verdict(s: dict) -> list[str]:
 
 def print_report(s: dict, bad: list[str]) -> None:
     v, h, r = s["valid"], s["health"], s["rss_mb"]
-    print(f"\nrequests {s['requests']}; valid: {v['sent']} sent, {v['identical']} identical, {v['different']} "
-          f"different, {v['lost']} lost, {v['dropped']} streams dropped on purpose")  # fmt: skip
+    print(
+        f"\nrequests {s['requests']}; valid: {v['sent']} sent, {v['identical']} identical, {v['different']} "
+        f"different, {v['lost']} lost, {v['dropped']} streams dropped on purpose"
+    )
     for name, p in s["probes"].items():
         print(f"  probe {name:22} pass {p['pass']:5}  fail {p['fail']:5}  HTTP statuses {p['statuses'] or '-'}")
     print(f"5xx: {s['status_5xx']}; 429 (queue full, retried): {s['status_429']}; /metrics' 5xx: {s['server_5xx']}")
-    print(f"/health: {h['checks']} checks, {h['failures']} failed, p50 {h['p50_s']:.3f} s, p99 {h['p99_s']:.3f} s, "
-          f"max {h['max_s']:.3f} s")  # fmt: skip
+    print(
+        f"/health: {h['checks']} checks, {h['failures']} failed, p50 {h['p50_s']:.3f} s, p99 {h['p99_s']:.3f} s, "
+        f"max {h['max_s']:.3f} s"
+    )
     if r["ratio"] is not None:
-        print(f"RSS: {r['baseline']:.0f} MiB after warm-up, {r['end']:.0f} MiB at the end ({r['ratio']:.3f}x); "
-              f"of them the prefix cache's: {s['prefix_cache_mb']}")  # fmt: skip
+        print(
+            f"RSS: {r['baseline']:.0f} MiB after warm-up, {r['end']:.0f} MiB at the end ({r['ratio']:.3f}x); "
+            f"of them the prefix cache's: {s['prefix_cache_mb']}"
+        )
     for kind, notes in sorted(s["notes"].items()):
         print("\n".join(f"  {kind}: {note[:300]}" for note in notes))
     print("PASS" if not bad else "FAIL: " + "; ".join(bad))
@@ -329,19 +298,6 @@ def solo_answers(srv: Server, specs: list, tally: Tally) -> tuple[dict, list[str
         except LOST as e:
             problems.append(f"solo {spec[0]}: {type(e).__name__}: {e}")
     return solo, problems
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, Server, str]:
-    """`swiftdecode serve` on a free port with a random key, its output in a log file."""
-    with socket.socket() as s:  # a free port: the kernel's pick for port 0
-        s.bind(("127.0.0.1", 0))
-        key, port = secrets.token_urlsafe(16), s.getsockname()[1]
-    cmd = [sys.executable, "-m", "swiftdecode.apps.cli", "serve", "--model", args.model, "--port", str(port),
-           "--api-key", key, "--max-batch", str(args.max_batch)]  # fmt: skip
-    with tempfile.NamedTemporaryFile(prefix="swiftdecode-soak-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    print(f"swiftdecode soak: server pid {proc.pid} on port {port}, its log in {log.name}", file=sys.stderr)
-    return proc, Server("127.0.0.1", port, key, proc.pid), log.name
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,8 +14,12 @@ PROBE_TIMEOUT_S = 60  # most probes are rejected before any decoding: a minute m
 NEVER_READ_S = 5  # a stream opened and never read, for this long
 SLOW_BODY_STALL_S = 40  # a body that stops coming: the server should time it out (408) or close before this
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-PROMPTS = ("Write a haiku about the sea.", "Name three primary colors.", "What does a CPU do? Answer in JSON.",
-           "Once upon a time")  # fmt: skip
+PROMPTS = (
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "What does a CPU do? Answer in JSON.",
+    "Once upon a time",
+)
 GREEDY, SEEDED = {"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 1234}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
@@ -33,8 +37,16 @@ class Server(NamedTuple):
     pid: int | None
 
 
-def send(srv: Server, path: str, body: bytes | None, *, timeout: float, key: str | None = None,
-         stream: bool = False, max_chunks: int = 0) -> tuple[int, Any, Any]:  # fmt: skip
+def send(
+    srv: Server,
+    path: str,
+    body: bytes | None,
+    *,
+    timeout: float,
+    key: str | None = None,
+    stream: bool = False,
+    max_chunks: int = 0,
+) -> tuple[int, Any, Any]:
     """One request (GET without a body): (status, headers, body bytes), or for a 200 stream its `data:` events up
     to [DONE] (or its first `max_chunks`). `timeout` bounds each socket operation, and reading a whole stream."""
     deadline, conn = time.monotonic() + timeout, http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)

@@ -50,16 +50,23 @@ async def last_result(first: Any, events: AsyncIterator) -> Any:
 
 
 async def sse_chunks(
-    head: dict, chat: bool, include_usage: bool, parts: list[tuple[Any, AsyncIterator]],
-    text_of: Callable[[int], str] | None = None, echo: tuple | None = None, tools: bool = False,
-) -> AsyncIterator[str]:  # fmt: skip
+    head: dict,
+    chat: bool,
+    include_usage: bool,
+    parts: list[tuple[Any, AsyncIterator]],
+    text_of: Callable[[int], str] | None = None,
+    echo: tuple | None = None,
+    tools: bool = False,
+) -> AsyncIterator[str]:
     """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
     the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
     chunk carries the logprobs of the tokens the engine released up to it; `echo` and `tools` as
     responses.completion's."""
     results: list = []
-    streams = [choice_chunks(head, chat, first, events, text_of, i, results, echo, tools) for i, (first, events) in
-               enumerate(parts)]  # fmt: skip
+    streams = [
+        choice_chunks(head, chat, first, events, text_of, i, results, echo, tools)
+        for i, (first, events) in enumerate(parts)
+    ]
     try:
         async for item in streams[0] if len(streams) == 1 else interleaved(streams):
             yield item
@@ -98,9 +105,16 @@ async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 
 async def choice_chunks(
-    head: dict, chat: bool, first: Any, events: AsyncIterator, text_of, index: int, results: list,
-    echo: tuple | None = None, tools: bool = False,
-) -> AsyncIterator[str]:  # fmt: skip
+    head: dict,
+    chat: bool,
+    first: Any,
+    events: AsyncIterator,
+    text_of,
+    index: int,
+    results: list,
+    echo: tuple | None = None,
+    tools: bool = False,
+) -> AsyncIterator[str]:
     """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end. With
     `echo` the first chunk holds the prompt (and its entries, the first token without a log-probability); with
     `tools` the text goes out as content and tool-call deltas (responses.ToolDeltas)."""

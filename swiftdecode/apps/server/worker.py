@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from swiftdecode.apps.server.heap import release_free_memory
@@ -58,7 +59,7 @@ def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
     prompt is scored between the others' rounds (None: chunks remain). Once scored, its cache goes to the prefix
     store under the request's salt, so its prefill copies it. A job that asks for no new tokens is answered here
     (True)."""
-    prompt, k = job.prompt, job.params["logprobs"]
+    prompt, k = job.prompt, job.params["params"].logprobs
     if k is not None and prompt.logprobs is None:
         prompt.scorer = prompt.scorer or PromptScorer(gen.sm, prompt.ids, k)
         prompt.scorer.step()
@@ -66,7 +67,7 @@ def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
             return None
         prompt.logprobs, cache, prompt.scorer = prompt.scorer.entries, prompt.scorer.cache, None
         gen.prefixes.save(prompt.ids, cache, job.request.salt)
-    if job.params["max_new_tokens"]:
+    if job.params["params"].max_new_tokens:
         return False
     n, lps = len(prompt.ids), [] if k is not None else None
     job.emit(StreamEvent("", [], GenerationResult("", [], n, "length", GenerationStats(prompt_tokens=n), lps)))
@@ -274,7 +275,8 @@ class Running:
         try:
             if job.request is None:
                 self.metrics.observe(self.metrics.queue_wait, time.perf_counter() - job.submitted)
-                at_least_one = {"max_new_tokens": max(job.params["max_new_tokens"], 1)}  # echo may ask for none
+                params = job.params["params"]  # echo may ask for no new tokens: then the request takes one
+                at_least_one = {"params": replace(params, max_new_tokens=max(params.max_new_tokens, 1))}
                 job.request = self.gen.request(encoded(self.gen, job.prompt), **job.params | at_least_one)
             req, entries = job.request, self.reserved.first(job.request)
             self.release(job)  # a prompt being scored held its entries since the last call

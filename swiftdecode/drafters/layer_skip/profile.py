@@ -11,6 +11,7 @@ import torch
 
 from swiftdecode.drafters.layer_skip.search import DraftCost
 from swiftdecode.runtime import fastpath
+from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel
 from swiftdecode.runtime.skip import SkipSet
 
@@ -18,22 +19,22 @@ TIMING_REPEATS = 2  # each one-token forward is timed this often and the fastest
 COLLINEARITY_ROWS = 64  # cos(layer input, layer output) is averaged over the prompt's last 64 positions
 
 
-def draft_cost(sm: SwiftModel, sparse: bool) -> DraftCost:
-    """Each part's share of a one-token full forward's time, timed now on the cache as it is (one-token forwards
+def draft_cost(sm: SwiftModel, sparse: bool, cache: SwiftCache) -> DraftCost:
+    """Each part's share of a one-token full forward's time, timed now on `cache` as it is (one-token forwards
     of: the full model, the dense draft, the draft without inner MLPs and without any inner sublayer), and the
     MLP bytes read per sparsity level (level 0 only unless `sparse`). Layers are assumed alike."""
-    L, P = sm.n_layers, sm.cache.length
+    L, P = sm.n_layers, cache.length
     inner = frozenset(range(1, L - 1))
 
     def seconds(skip: SkipSet | None) -> float:
         best = math.inf
         for _ in range(TIMING_REPEATS):
             t = time.perf_counter()
-            hidden = sm.forward([0], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool), skip=skip)
+            hidden = sm.forward([0], torch.tensor([P]), torch.ones(1, 1, dtype=torch.bool), cache, skip=skip)
             logits = sm.draft_logits(hidden)[0] if skip is not None else sm.logits(hidden)
             float(logits[0, 0])  # waits for the device (GPU kernels run asynchronously)
             best = min(best, time.perf_counter() - t)
-            sm.cache.truncate(P)
+            cache.truncate(P)
         return best
 
     full, dense, attn_only, none = (seconds(s) for s in (None, SkipSet(), SkipSet(mlp=inner), SkipSet(inner, inner)))
@@ -48,7 +49,8 @@ def draft_cost(sm: SwiftModel, sparse: bool) -> DraftCost:
 
 
 class Collinearity:
-    """Context manager hooking every decoder layer; yields a function giving cos(layer input, layer output) [L]."""
+    """Context manager hooking every decoder layer (transformers' forward) and yielding (observe, cos): pass
+    `observe` to the lean forward (`SwiftModel.prefill`); cos() gives cos(layer input, layer output) [L]."""
 
     def __init__(self, sm: SwiftModel):
         self.sm, self.layers, self.cos, self.handles = sm, sm.skipper.layers, {}, []
@@ -67,10 +69,8 @@ class Collinearity:
             return fn
 
         self.handles = [m.register_forward_hook(hook(i), with_kwargs=True) for i, m in enumerate(self.layers)]
-        self.sm.observer = self._record  # the lean forward calls this instead of module hooks
-        return lambda: np.array([self.cos.get(i, 0.0) for i in range(len(self.layers))])
+        return self._record, lambda: np.array([self.cos.get(i, 0.0) for i in range(len(self.layers))])
 
     def __exit__(self, *exc):
-        self.sm.observer = None
         for h in self.handles:
             h.remove()

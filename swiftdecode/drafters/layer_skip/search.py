@@ -1,6 +1,6 @@
 """On-the-fly layer-set optimisation: random local moves plus Bayesian optimisation over skip sets.
 
-A skip set is scored by its matchness α (see `tuning.matchness`) on a window of the live context. SWIFT
+A skip set is scored by its matchness α (see `tuner.matchness`) on a window of the live context. SWIFT
 maximises α at a fixed skip ratio; by default we maximise the expected speedup of drafting with it instead,
 which lets the number of skipped sublayers float (small models are far less redundant than 13B-70B ones).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swiftdecode.base.config import SearchConfig
-from swiftdecode.engine.scheduler import ema
+from swiftdecode.drafters.budget import ema
 from swiftdecode.runtime.skip import SkipSet
 
 ADOPT_MARGIN = 1.005  # a candidate replaces the best set only if it scores 0.5% higher on the same window (noise)

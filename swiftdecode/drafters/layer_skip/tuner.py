@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from swiftdecode.decoding.request import GenerationStats
+from swiftdecode.decoding.request import GenerationStats, Request
+from swiftdecode.drafters.budget import TimeBudget
 from swiftdecode.drafters.layer_skip.profile import Collinearity, draft_cost
 from swiftdecode.drafters.layer_skip.search import DraftCost, LayerSearch
 from swiftdecode.runtime import fastpath
+from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel
 from swiftdecode.runtime.skip import SkipSet
 
 if TYPE_CHECKING:
     from swiftdecode.base.config import EngineConfig
-    from swiftdecode.engine.scheduler import RoundScheduler
 
 FIRST_STEP_TOKENS = 3.0  # a search step (1-2 forwards of a 32-token window), guessed in per-token decoding time
 # A search step's expected seconds: the last step's, or this share of the previous estimate if that is larger (a
@@ -46,31 +47,33 @@ class SkipTuner:
         """Whether drafts may be activation-sparse: the config asks and the MLPs run on the sparse kernel."""
         return self._sparse
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Full forward of the prompt (sparsity thresholds calibrated on it when drafts may be sparse); on first
-        use with init "cosine", the initial skip set is the inner sublayers whose output is most collinear with
-        their input, and the search starts from it. Returns the last logits [V]."""
+    def prefill(self, ids: list[int], cache: SwiftCache) -> torch.Tensor:
+        """Full forward of the prompt into `cache` (sparsity thresholds calibrated on it when drafts may be
+        sparse); on first use with init "cosine", the initial skip set is the inner sublayers whose output is most
+        collinear with their input, and the search starts from it. Returns the last logits [V]."""
         sm, sparse, start = self.sm, self.sparse(), None
         with self.sm.calibrating() if sparse else nullcontext():  # sparsity thresholds follow this prompt
             if self.search is None and self.cfg.init == "cosine":
-                with Collinearity(sm) as cos:
-                    hidden = sm.prefill(ids)
+                with Collinearity(sm) as (observe, cos):
+                    hidden = sm.prefill(ids, cache, observe)
                 n = round(self.cfg.init_ratio * (sm.n_layers - 2))
                 layers = frozenset(int(i) + 1 for i in np.argsort(-cos()[1:-1])[:n])
                 start = SkipSet(layers, layers, self.cfg.sparsity if sparse else 0)
             else:
-                hidden = sm.prefill(ids)
+                hidden = sm.prefill(ids, cache)
         logits = sm.logits(hidden[-1:])[0]
         if start is not None:  # after calibration: the search's cost timing must not set the thresholds
-            self.start(start)
+            self.start(start, cache)
         return logits
 
-    def start(self, init: SkipSet) -> None:
-        """Draft with `init` and, if the config searches, search from it (its cost model timed now)."""
-        self.skip = init
+    def start(self, init: SkipSet, cache: SwiftCache | None = None) -> None:
+        """Draft with `init` and, if the config searches, search from it (its cost model timed now, after `cache`:
+        the prompt's, or an empty one)."""
+        self.skip, sm = init, self.sm
         if self.cfg.search is not None:
             timed = self.cfg.search.fixed_ratio is None  # SWIFT's mode scores matchness alone: no costs needed
-            cost = draft_cost(self.sm, self.sparse()) if timed else DraftCost(0.0, np.zeros(0), np.zeros(0), 0.0)
+            on = cache if cache is not None else SwiftCache(sm.n_layers)
+            cost = draft_cost(sm, self.sparse(), on) if timed else DraftCost(0.0, np.zeros(0), np.zeros(0), 0.0)
             self.search = LayerSearch(self.sm.n_layers, cost, self.cfg.search, init)
 
     def step_cost(self, measured: float | None) -> float:
@@ -80,23 +83,22 @@ class SkipTuner:
             return 0.0
         return measured if measured is not None else self.search.cost(self.skip)
 
-    def after_round(
-        self, ctx: list[int], out: list[int], mode: str, stats: GenerationStats, schedule: RoundScheduler
-    ) -> None:
-        """Tell the search a round's acceptance, then take one search step if `_may_step` allows it."""
+    def after_round(self, req: Request, out: list[int], kind: str, budget: TimeBudget) -> None:
+        """Tell the search a round's acceptance (`out`: its tokens, not yet in req.ctx), then take one search step
+        on the request's cache if `_may_step` allows it."""
         if self.search is None:
             return
-        if mode != "plain":
+        if kind != "plain":
             self.search.observe_acceptance(len(out))
-        if self._may_step(ctx, stats, schedule):
+        if self._may_step(req.ctx, req.stats, budget):
             t = time.perf_counter()
-            self.step(ctx + out[:-1], out[-1])
+            self.step(req.ctx + out[:-1], out[-1], req.cache)
             spent = time.perf_counter() - t
             self.step_s = spent if self.step_s is None else max(spent, STEP_DECAY * self.step_s)
-            stats.time_split["optimize"] += spent
-            schedule.record_search(spent)
+            req.stats.time_split["optimize"] += spent
+            budget.searched(spent)
 
-    def _may_step(self, ctx: list[int], stats: GenerationStats, schedule: RoundScheduler) -> bool:
+    def _may_step(self, ctx: list[int], stats: GenerationStats, budget: TimeBudget) -> bool:
         """Whether to take a search step: while searching, once this request has generated a whole matchness
         window (so windows hold its own output only), within the overhead cap both over recent rounds and within
         this request: the request's search time, this step's included (its expected cost), stays below the cap's
@@ -105,33 +107,34 @@ class SkipTuner:
         decoded = stats.time_split["draft"] + stats.time_split["verify"]
         first_guess = FIRST_STEP_TOKENS * decoded / max(generated, 1)  # before one is measured
         step = self.step_s if self.step_s is not None else first_guess
-        within = schedule.search_within(cap) and stats.time_split["optimize"] + step <= cap * decoded
+        within = budget.within(cap) and stats.time_split["optimize"] + step <= cap * decoded
         return self.search.searching and within and generated >= self.cfg.window
 
-    def step(self, ctx: list[int], pending: int) -> None:
-        """Score one candidate skip set on the live context and adopt the best set found so far."""
-        if self.sm.cache.length < 2:
+    def step(self, ctx: list[int], pending: int, cache: SwiftCache) -> None:
+        """Score one candidate skip set on the live context (cached in `cache`, then `pending`) and adopt the best
+        set found so far."""
+        if cache.length < 2:
             return
         search, window, seq = self.search, self.cfg.window, ctx + [pending]
         candidate = search.propose()
-        alpha = matchness(self.sm, candidate, seq, window)
+        alpha = matchness(self.sm, candidate, seq, window, cache)
         challenger = search.challenges(candidate, alpha)  # then score the best set on the same window
-        search.record(candidate, alpha, matchness(self.sm, search.best, seq, window) if challenger else None)
+        search.record(candidate, alpha, matchness(self.sm, search.best, seq, window, cache) if challenger else None)
         self.skip = search.best
 
 
-def matchness(sm: SwiftModel, skip: SkipSet, ctx: list[int], window: int) -> float:
+def matchness(sm: SwiftModel, skip: SkipSet, ctx: list[int], window: int, cache: SwiftCache) -> float:
     """Fraction of the last `window` cached positions where the skip model's top-1 equals the real next token.
 
     One forward over the window, appended after the cache and rolled back: query i sits at its real position
     s+i and sees the full model's cached entries before it (what a depth-1 draft sees) and itself.
     ctx holds the cached tokens followed by the pending one (len(ctx) == cache length + 1).
     """
-    P = sm.cache.length
+    P = cache.length
     s = max(P - window, 0)
     pos = torch.arange(s, P)
-    hidden = sm.forward(ctx[s:P], pos, torch.eye(P - s, dtype=torch.bool), visible=pos, skip=skip)
-    sm.cache.truncate(P)
+    hidden = sm.forward(ctx[s:P], pos, torch.eye(P - s, dtype=torch.bool), cache, visible=pos, skip=skip)
+    cache.truncate(P)
     logits, ids = sm.draft_logits(hidden)
     pred = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
     return float((pred.cpu() == torch.tensor(ctx[s + 1 : P + 1])).float().mean())

@@ -1,0 +1,115 @@
+"""One speculative round, the same for one request and for a batch: propose (each request's tree from the
+drafters: `propose` alone, the copy that pays in a batch), verify (every tree through the full model in one
+forward, `forward_trees`, each against its own logits rows, `settle`), keep (the accepted path's cache entries);
+then the round is counted in the request's stats (`account`)."""
+
+from __future__ import annotations
+
+import torch
+
+from swiftdecode.base.config import EngineConfig
+from swiftdecode.decoding.request import GenerationStats, Request
+from swiftdecode.decoding.verification import verify
+from swiftdecode.drafters.base import Copy
+from swiftdecode.drafters.registry import build
+from swiftdecode.drafters.rowcost import CostLine, tokens_that_pay
+from swiftdecode.engine.scheduler import RoundScheduler
+from swiftdecode.runtime.model import Part, SwiftModel
+from swiftdecode.runtime.tree import Tree
+
+
+class Proposer:
+    """An engine's drafters (kind -> Drafter, none for `ar`) and the scheduler that picks among them: a round's
+    tree for one request (`propose`) or a batch's copies (`copy`), and what both learn from each round
+    (`observe`). `line`: the seconds of a one-request forward by its rows (how much of a copy pays)."""
+
+    def __init__(self, sm: SwiftModel, cfg: EngineConfig | None):
+        self.cfg, self.drafters, self.line = cfg, build(sm, cfg) if cfg else {}, CostLine()
+        modes = [k for k in cfg.modes if k not in self.drafters or not self.drafters[k].copies] if cfg else []
+        self.schedule = RoundScheduler(modes, cfg.adaptive) if cfg else None
+
+    def ready(self) -> set[str]:
+        """The model drafters that can draft now."""
+        return {kind for kind, d in self.drafters.items() if not d.copies and d.ready()}
+
+    def copy(self, req: Request, rows: int, length: int, line: CostLine) -> tuple[Copy | None, int, str]:
+        """The first copying drafter's chain of at most `length` tokens, how many of them pay in a forward of
+        `rows` rows by `line`, and that drafter's kind ((None, 0, "plain") where none copies)."""
+        for kind, drafter in self.drafters.items():
+            if drafter.copies and (copy := drafter.copy(req, length)) is not None:
+                return copy, tokens_that_pay(line, copy.accept, rows, len(copy.tokens)), kind
+        return None, 0, "plain"
+
+    def propose(self, req: Request) -> tuple[str, Tree, int]:
+        """A request's round alone: its kind, tree and draft forwards. A copy where its tokens pay for their rows,
+        else the scheduler's pick among a plain step and the ready model drafters (the copy, whole, joins them)."""
+        tree, room, cfg = Tree(req.ctx[-1]), req.room, self.cfg
+        if cfg is None or room <= 1:
+            return "plain", tree, 0
+        copy, pays, copier = self.copy(req, 1, min(cfg.draft.ngram, room - 1), self.line)
+        kind = copier if pays > 0 else self.schedule.choose(self.ready())
+        if kind == "plain":
+            return kind, tree, 0
+        steps = self.drafters[kind].grow(req, tree, room - 1, self.schedule.rate["plain"]) if kind != copier else 0
+        if copy is not None:
+            tree.add_chain(copy.tokens[:pays] if kind == copier else copy.tokens, cfg.draft.max_nodes, copier)
+        return kind, tree, steps
+
+    def observe(self, req: Request, kind: str, tree: Tree, tokens: list[int], seconds: float, verify_s: float) -> None:
+        """A round alone took `seconds` (`verify_s` its forward): the cost line, the scheduler's rates and the
+        drafters learn from it."""
+        self.line.record(len(tree) + 1, verify_s)
+        if self.schedule is not None:
+            self.schedule.record(kind, len(tokens), seconds, self.ready())
+            for drafter in self.drafters.values():
+                drafter.observe(req, tokens, kind, self.schedule.budget)
+
+
+def forward_trees(
+    sm: SwiftModel, reqs: list[Request], trees: list[Tree], chunk: Part | None = None, chunk_logits: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One full forward over every request's tree (root: its ctx[-1], after its cache) and a prompt `chunk`:
+    logits [len(tree) + 1, V] per tree, and the chunk's last row's logits [1, V] if `chunk_logits` (else None).
+    Every row is its own sequence's alone (batch-invariant kernels, per-request attention)."""
+    parts = [
+        (t.input_ids(), t.positions(r.cache.length), t.ancestry(), r.cache) for r, t in zip(reqs, trees, strict=True)
+    ]
+    hidden = sm.forward_batch(parts + ([chunk] if chunk is not None else []))
+    rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if chunk_logits else [])
+    logits = list(sm.logits(torch.cat(rows)).split([len(h) for h in rows])) if rows else []
+    return logits[: len(reqs)], logits[-1] if chunk_logits else None
+
+
+def settle(
+    req: Request, tree: Tree, start: int, logits: torch.Tensor
+) -> tuple[list[int], torch.Tensor | None, list[int]]:
+    """Verify the request's tree (root at `start`) against its logits rows and keep the accepted path's cache
+    entries: the round's tokens, the rows that chose them (with logprobs only, else None) and the path."""
+    path, bonus = verify(tree, logits, req.sampler, start)
+    kept = [0] + [i + 1 for i in path]  # rows of the root and the accepted nodes: each chose the next token
+    req.cache.keep(start, kept)
+    rows = logits[kept] if req.top_logprobs is not None else None
+    return [tree.tokens[i] for i in path] + [bonus], rows, path
+
+
+def account(
+    stats: GenerationStats,
+    kind: str,
+    tree: Tree,
+    path: list[int],
+    seconds: float,
+    verify_s: float,
+    draft_s: float = 0.0,
+    steps: int = 0,
+    batched: bool = False,
+) -> None:
+    """Count a round of `kind` in the request's stats: `seconds` in all, `verify_s` verifying, `draft_s` drafting
+    (`steps` draft forwards), and the accepted nodes by the drafter that proposed them."""
+    stats.round_kinds[kind] = stats.round_kinds.get(kind, 0) + 1
+    stats.round_seconds[kind] = stats.round_seconds.get(kind, 0.0) + seconds
+    stats.time_split["verify"] += verify_s
+    stats.time_split["draft"] += draft_s
+    stats.draft_steps += steps
+    stats.batched_rounds += batched
+    if kind != "plain":
+        stats.count_tree(tree, path)
