@@ -405,12 +405,10 @@ def test_an_empty_api_key_is_refused(gen):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn exits its thread
 def test_a_failed_warm_up_stops_the_server_from_starting(gen, monkeypatch):
-    import swiftdecode.apps.server.worker as worker
-
-    def fail(sm):
+    def fail():
         raise RuntimeError("no memory for the warm-up")
 
-    monkeypatch.setattr(worker, "warm_up", fail)
+    monkeypatch.setattr(gen, "warm_up", fail)
     with pytest.raises(RuntimeError, match="did not start"), serving(create_app(gen, MODEL)):
         pass
 

@@ -64,12 +64,10 @@ def metrics(url: str, key: str | None = KEY) -> dict[str, float]:
 
 
 def test_server_is_ready_only_after_the_worker_warmed_up(gen, monkeypatch):
-    """The worker's warm-up forward borrows the generator's cache: until it is done, a caller sharing the generator
-    (these tests compute references with it) would see its own cache swapped out mid-generation."""
-    import swiftdecode.apps.server.worker as worker
-
-    done, real = [], worker.warm_up
-    monkeypatch.setattr(worker, "warm_up", lambda sm: (time.sleep(0.5), real(sm), done.append(True)))
+    """The server starts serving only once its worker thread has run the first forwards (`Generator.warm_up`,
+    from the thread that decodes)."""
+    done, real = [], gen.warm_up
+    monkeypatch.setattr(gen, "warm_up", lambda: (time.sleep(0.5), real(), done.append(True)))
     with serving(create_app(gen, MODEL)):
         assert done
 

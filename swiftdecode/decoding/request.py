@@ -144,7 +144,7 @@ class Request:
 
     @property
     def resumed(self) -> bool:
-        """Whether the request has taken tokens: a prefill of it recomputes ctx[:-1] (`Generator.refill`), no pick."""
+        """Whether the request has taken tokens: a prefill of it recomputes ctx[:-1] (`batch.refill`), no pick."""
         return bool(self.new)
 
     def evict(self) -> None:

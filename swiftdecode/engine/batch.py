@@ -22,6 +22,7 @@ from swiftdecode.decoding.request import Request, StreamEvent
 from swiftdecode.drafters.rowcost import CostLine
 from swiftdecode.engine.generator import Generator
 from swiftdecode.engine.round import account, forward_trees, settle
+from swiftdecode.runtime.model import SwiftModel
 from swiftdecode.runtime.tree import Tree
 
 # Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
@@ -53,7 +54,7 @@ class Batch:
         (or the engine must see its whole prefill), else in chunks over the next rounds. Returns its first event
         if it has one yet."""
         if not len(self) or not self.gen.plain_prefill():
-            event = self.gen.refill(req) if req.resumed else self.gen.begin(req)
+            event = refill(self.gen.sm, req) if req.resumed else self.gen.begin(req)
             if not req.done:
                 self.active.append(req)
             return event
@@ -152,3 +153,10 @@ class Batch:
         if not req.done:
             self.active.append(req)
         return event
+
+
+def refill(sm: SwiftModel, req: Request) -> None:
+    """Recompute an evicted request's cache (`Request.evict`): a prefill of its context but the last token."""
+    t = time.perf_counter()
+    sm.prefill(req.ctx[:-1], req.cache)
+    req.stats.time_split["prefill"] += time.perf_counter() - t

@@ -15,6 +15,7 @@ from swiftdecode.base.errors import UserError
 from swiftdecode.base.params import RequestParams, check_params, check_vocab
 from swiftdecode.base.text import Prompts, eos_ids
 from swiftdecode.decoding.grammar import Grammars
+from swiftdecode.decoding.logprobs import PromptScorer
 from swiftdecode.decoding.request import GenerationResult, Request, StreamEvent
 from swiftdecode.decoding.sampling import Sampler
 from swiftdecode.decoding.tools import Tools, render
@@ -30,9 +31,9 @@ DEFAULT_MAX_NEW_TOKENS = 128  # a request's token budget when the caller names n
 
 class Generator:
     """Lossless generation with one model. Not thread-safe; the drafters' state carries across calls.
-    `proposer`: the drafters and the scheduler that picks each round's kind; `prefixes` keeps finished sequences'
-    cache entries for later prompts (`prefix_cache_gb`; none off our batch-invariant kernels, where reuse is not
-    exact)."""
+    `proposer`: the drafters and the scheduler that picks each round's kind. Public beside the methods: `prompts`
+    (the prompt codec) and `prefixes`, finished sequences' cache entries kept for later prompts (`prefix_cache_gb`;
+    none off our batch-invariant kernels, where reuse is not exact)."""
 
     def __init__(
         self,
@@ -141,11 +142,23 @@ class Generator:
         drafter must read it)."""
         return not any(d.reads_prefill() for d in self.proposer.drafters.values())
 
-    def refill(self, req: Request) -> None:
-        """Recompute an evicted request's cache (`Request.evict`): a prefill of its context but the last token."""
-        t = time.perf_counter()
-        self.sm.prefill(req.ctx[:-1], req.cache)
-        req.stats.time_split["prefill"] += time.perf_counter() - t
+    # ---- what a server reads of the engine ---------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        """The model's context length (tokens)."""
+        return self.sm.max_length
+
+    def kv_cost(self) -> tuple[int, bool]:
+        """A token's KV bytes, and whether an evicted cache is recomputed exactly (our kernels run the layers)."""
+        return self.sm.kv_bytes_per_token(), self.sm.layer_loop() != "transformers"
+
+    def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
+        """The prompt's logprobs entries (k alternatives each), scored a chunk per `step()`."""
+        return PromptScorer(self.sm, ids, k)
+
+    def warm_up(self) -> None:
+        """The first forwards, from the calling thread: the one that will decode (`runtime.model.warm_up`)."""
+        warm_up(self.sm)
 
     # ---- one round --------------------------------------------------------------------------------------
     def _round(self, req: Request) -> tuple[list[int], torch.Tensor | None]:

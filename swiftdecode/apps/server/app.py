@@ -159,7 +159,7 @@ class Api:
         self.metrics = Metrics()
         self.worker: Worker | None = None
         self.created = int(time.time())
-        self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.sm.max_length)
+        self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.max_length)
         self.tokens = Tokens(gen.prompts)
 
     @asynccontextmanager

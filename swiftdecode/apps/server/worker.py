@@ -20,10 +20,8 @@ from swiftdecode.apps.server.metrics import Metrics
 from swiftdecode.apps.server.protocol import ApiError
 from swiftdecode.apps.server.reservations import Reservations
 from swiftdecode.base.errors import UserError
-from swiftdecode.decoding.logprobs import PromptScorer
 from swiftdecode.decoding.request import GenerationResult, GenerationStats, StreamEvent
 from swiftdecode.kernels.openmp import release_thread_pool
-from swiftdecode.runtime.model import warm_up
 
 if TYPE_CHECKING:
     from swiftdecode.engine.generator import Generator
@@ -61,7 +59,7 @@ def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
     (True)."""
     prompt, k = job.prompt, job.params["params"].logprobs
     if k is not None and prompt.logprobs is None:
-        prompt.scorer = prompt.scorer or PromptScorer(gen.sm, prompt.ids, k)
+        prompt.scorer = prompt.scorer or gen.prompt_scorer(prompt.ids, k)
         prompt.scorer.step()
         if not prompt.scorer.done:
             return None
@@ -185,7 +183,7 @@ class Worker:
 
     def _loop(self) -> None:
         try:  # this thread runs the forwards: its first one is not a request's (see warm_up)
-            warm_up(self.running.gen.sm)
+            self.running.gen.warm_up()
             self.warm.set()
             self._serve()
         except Exception as e:  # a bug: /health says so, new requests get 503, the waiting ones end
@@ -253,8 +251,8 @@ class Running:
 
         self.gen, self.metrics, self.lock, self.timeout_s = gen, metrics, lock, timeout_s
         self.jobs: dict[object, Job] = {}  # Request -> its job, in the order they started
-        exact = gen.sm.layer_loop() != "transformers"  # a dropped cache is recomputed exactly: reservations grow
-        self.reserved = Reservations(int(kv_gb * 2**30), gen.sm.kv_bytes_per_token(), exact, lock)
+        per_token, exact = gen.kv_cost()  # exact: a dropped cache is recomputed exactly, so reservations may grow
+        self.reserved = Reservations(int(kv_gb * 2**30), per_token, exact, lock)
         self.batch = Batch(gen)
         self.starved: set = set()  # requests that could not grow their KV reservation in the last round
         self.waiting: set = set()  # requests that sat out the last round (starved, or their reader lags)
