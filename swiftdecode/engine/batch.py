@@ -88,7 +88,7 @@ class Batch:
         """One round (`round`) for `reqs` together: each proposes the copy that pays in a forward of this many
         rows (or only its last token), and the first joining request's prompt rides along as a chunk."""
         gen = self.gen
-        speculate = gen.cfg is not None and any(d.copies for d in gen.proposer.drafters.values())
+        speculate = any(d.copies for d in gen.proposer.drafters.values())
         cap = max(BATCH_ROWS - len(reqs), 0) // max(len(reqs), 1) if speculate else 0
         trees, kinds = [], []
         for req in reqs:

@@ -105,7 +105,7 @@ class Generator:
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""
-        t, reader = time.perf_counter(), next((d for d in self.proposer.drafters.values() if d.reads_prefill()), None)
+        t, reader = time.perf_counter(), self.proposer.prefill_reader()
         if (cached := self.take_prompt(req)) or reader is None:
             logits = self.sm.logits(self.sm.prefill(req.ids[cached:], req.cache)[-1:])[0]
         else:
@@ -140,7 +140,7 @@ class Generator:
     def plain_prefill(self) -> bool:
         """Whether a prompt's prefill is a plain forward, which may then run in chunks beside other requests (no
         drafter must read it)."""
-        return not any(d.reads_prefill() for d in self.proposer.drafters.values())
+        return self.proposer.prefill_reader() is None
 
     # ---- what a server reads of the engine ---------------------------------------------------------------
     @property

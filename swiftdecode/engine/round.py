@@ -10,7 +10,7 @@ import torch
 from swiftdecode.base.config import EngineConfig
 from swiftdecode.decoding.request import GenerationStats, Request
 from swiftdecode.decoding.verification import verify
-from swiftdecode.drafters.base import Copy
+from swiftdecode.drafters.base import Copy, Drafter
 from swiftdecode.drafters.registry import build
 from swiftdecode.drafters.rowcost import CostLine, tokens_that_pay
 from swiftdecode.engine.scheduler import RoundScheduler
@@ -27,6 +27,10 @@ class Proposer:
         self.cfg, self.drafters, self.line = cfg, build(sm, cfg) if cfg else {}, CostLine()
         modes = [k for k in cfg.modes if k not in self.drafters or not self.drafters[k].copies] if cfg else []
         self.schedule = RoundScheduler(modes, cfg.adaptive) if cfg else None
+
+    def prefill_reader(self) -> Drafter | None:
+        """The drafter that must read the next prompt's whole prefill (`Drafter.reads_prefill`), if any."""
+        return next((d for d in self.drafters.values() if d.reads_prefill()), None)
 
     def ready(self) -> set[str]:
         """The model drafters that can draft now."""

@@ -19,8 +19,8 @@ class RoundScheduler:
     """Picks the kind of a round that does not copy among `modes` (model drafters' kinds and "plain"; a drafter
     only once it is ready): whichever has yielded the most tokens per second lately, measured; every
     EXPLORE_EVERY-th round tries another one in turn while such re-measuring stays within EXPLORE_SHARE of
-    decoding time (a draft round can cost several plain ones). Non-adaptive schedules always draft. `budget`:
-    the decoding and search time the drafters' searches are capped by."""
+    decoding time (a draft round can cost several plain ones). Non-adaptive schedules always run the first mode.
+    `budget`: the decoding and search time the drafters' searches are capped by."""
 
     def __init__(self, modes: list[str], adaptive: bool):
         self.modes, self.adaptive = tuple(modes), adaptive
@@ -32,7 +32,7 @@ class RoundScheduler:
     def choose(self, ready: Collection[str]) -> str:
         """The next round's kind; `ready`: the model drafters that can draft now."""
         if not self.adaptive:
-            return "draft"
+            return self.modes[0]  # the first model drafter's kind (config order; "plain" where there is none)
         self.rounds += 1
         modes = self._usable(ready)
         untried = [m for m in modes if self.rate[m] is None]
