@@ -142,9 +142,27 @@ def test_no_formatter_escapes():
     assert not escapes, escapes
 
 
+# Writes that change another library's objects in place: a class swap, a bound forward, a registry entry.
+PATCHES = "runtime.patches"
+
+
+def test_patching_lives_in_one_module():
+    """Only `runtime.patches` swaps an object's class, assigns a `forward` or registers with transformers."""
+    found = []
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            swaps = [t for t in targets if isinstance(t, ast.Attribute) and t.attr in ("__class__", "forward")]
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            registers = call and node.func.attr == "register" and "Interface" in ast.unparse(node.func.value)
+            if (swaps or registers) and name != PATCHES:
+                found.append(f"swiftdecode.{name}:{node.lineno}")
+    assert not found, found
+
+
 # The speculative round, for one request and for a batch: (module, function or Class.method) it reads through.
 ROUND = [
-    ("engine.generator", "Generator._round"),
+    ("engine.round", "round_alone"),
     ("engine.round", "Proposer.propose"),
     ("engine.round", "Proposer.copy"),
     ("engine.round", "Proposer.observe"),

@@ -85,7 +85,7 @@ def test_prompt_logprobs_are_what_generating_those_tokens_reports(smollm):
     from swiftdecode.decoding.logprobs import prompt_logprobs
 
     gen = Generator(*smollm, method="swift")
-    ids = gen.prompts.encode("The capital of France is", False)
+    ids = gen.encode("The capital of France is")
     res = gen.generate(ids, max_new_tokens=12, logprobs=2)
     entries, cache = prompt_logprobs(gen.sm, ids + res.token_ids, 2)
     assert cache.length == len(ids) + len(res.token_ids) and len(entries) == cache.length - 1

@@ -186,7 +186,7 @@ def test_echo_scores_the_prompt(gen, client, url):
     from swiftdecode.decoding.logprobs import prompt_logprobs
 
     prompt = "The capital of France is"
-    ids = gen.prompts.encode(prompt, False)
+    ids = gen.encode(prompt)
     scored, _ = prompt_logprobs(gen.sm, ids, 1)
     ref = gen.generate(prompt, max_new_tokens=6, logprobs=1)
     for max_tokens, tail in ((0, []), (6, ref.logprobs)):
@@ -468,7 +468,7 @@ class Controlled:
     def request(self, prompt, **kw):
         self.entered.set()
         assert self.gate.wait(60)
-        text = self.gen.prompts.decode(prompt)  # the worker hands the engine the prompt's ids
+        text = self.gen.decode(prompt)  # the worker hands the engine the prompt's ids
         if text == "raise UserError":
             raise UserError("rejected by the engine", status=422)
         if text == "raise RuntimeError":

@@ -297,7 +297,7 @@ def test_a_template_without_tools_is_told_them_as_text(smollm):
         {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
         {"role": "tool", "content": "18 C, sunny"},
     ]
-    prompt = gen.prompts.decode(gen.chat_ids(history, tools))
+    prompt = gen.decode(gen.chat_ids(history, tools))
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt and "<tool_response>\n18 C, sunny" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     res = gen.generate(gen.chat_ids(ASK, tools), max_new_tokens=64, grammar=tools)

@@ -129,7 +129,8 @@ class Request:
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
         self.drafts: dict[str, object] = {}  # each drafter's state for this request, under its source name
-        self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.stats = GenerationStats(prompt_tokens=len(ids))  # output only: nothing reads it back to decide
+        self.decode_s = 0.0  # seconds of its rounds, drafting and verifying, alone or batched (`round.account`)
         self.salt = salt  # the prefix cache's tenant: its entries serve only requests of the same salt
         self.start = time.perf_counter()
 

@@ -137,7 +137,7 @@ class Batch:
         """Verify a request's tree against its logits rows [len(tree) + 1, V], keep the accepted path's cache
         entries, count the round and take its tokens."""
         tokens, rows, path = settle(req, tree, start, scores)
-        account(req.stats, kind, tree, path, seconds, seconds, batched=True)
+        account(req, kind, tree, path, seconds, seconds, batched=True)
         return self.gen.advance(req, tokens, rows)
 
     def _prefilled(self, req: Request, last: bool, seconds: float, logits) -> StreamEvent | None | object:

@@ -4,6 +4,7 @@ presets: `base.config`; the drafters: `drafters.registry`."""
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from collections.abc import Iterator
@@ -19,7 +20,8 @@ from swiftdecode.decoding.logprobs import PromptScorer
 from swiftdecode.decoding.request import GenerationResult, Request, StreamEvent
 from swiftdecode.decoding.sampling import Sampler
 from swiftdecode.decoding.tools import Tools, render
-from swiftdecode.engine.round import Proposer, account, forward_trees, settle
+from swiftdecode.engine.round import Proposer, round_alone
+from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel, warm_up
 from swiftdecode.runtime.prefix import PrefixStore
 from swiftdecode.runtime.skip import SkipSet
@@ -31,9 +33,8 @@ DEFAULT_MAX_NEW_TOKENS = 128  # a request's token budget when the caller names n
 
 class Generator:
     """Lossless generation with one model. Not thread-safe; the drafters' state carries across calls.
-    `proposer`: the drafters and the scheduler that picks each round's kind. Public beside the methods: `prompts`
-    (the prompt codec) and `prefixes`, finished sequences' cache entries kept for later prompts (`prefix_cache_gb`;
-    none off our batch-invariant kernels, where reuse is not exact)."""
+    `proposer`: the drafters and the scheduler that picks each round's kind; finished sequences' cache entries are
+    kept for later prompts (`prefix_cache_gb`; none off our batch-invariant kernels, where reuse is not exact)."""
 
     def __init__(
         self,
@@ -47,10 +48,10 @@ class Generator:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.tokenizer, self.sm = method, tokenizer, warm_up(SwiftModel(model))  # see warm_up
         self.cfg = cfg = config or (preset(method) if method != "ar" else None)
-        self.prompts, self.eos = Prompts(tokenizer, self.sm.vocab_size, self.sm.max_length), eos_ids(model, tokenizer)
+        self._prompts, self.eos = Prompts(tokenizer, self.sm.vocab_size, self.sm.max_length), eos_ids(model, tokenizer)
         self.grammars = Grammars(tokenizer, self.sm.vocab_size, self.eos)
         self.proposer = Proposer(self.sm, cfg)
-        self.prefixes = PrefixStore(int(prefix_cache_gb * 2**30) if self.sm.layer_loop() != "transformers" else 0)
+        self._prefixes = PrefixStore(int(prefix_cache_gb * 2**30) if self.sm.layer_loop() != "transformers" else 0)
 
     @property
     def skip(self) -> SkipSet | None:
@@ -58,10 +59,9 @@ class Generator:
         drafter = self.proposer.drafters.get("draft")
         return drafter.tuner.skip if drafter is not None else None
 
-    # ---- public API -------------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, see tools.render) in the chat template, ready for the answer."""
-        return self.prompts.chat_ids(*render(messages, tools, self.tokenizer))
+        return self._prompts.chat_ids(*render(messages, tools, self.tokenizer))
 
     def generate(self, prompt: str | list[int], **params) -> GenerationResult:
         """Generate to completion; see `request` for the parameters."""
@@ -95,12 +95,12 @@ class Generator:
             raise UserError(f"give the parameters as `params` or as keywords, not both (got {', '.join(checked)})")
         params = params or check_params(**{"max_new_tokens": DEFAULT_MAX_NEW_TOKENS} | checked)
         check_vocab(params, self.sm.vocab_size)
-        constraint, ids = self.grammars.constraint(grammar), self.prompts.encode(prompt, chat)  # ids < the context
+        constraint, ids = self.grammars.constraint(grammar), self._prompts.encode(prompt, chat)  # ids < the context
         seed = seed if seed is not None else secrets.randbits(63)
         sampler = Sampler(params.sampling, seed, ids, constraint, self.eos)
         budget = min(params.max_new_tokens, self.sm.max_length - len(ids))
         eos = set() if params.sampling.ignore_eos else self.eos
-        decode, layers = self.prompts.decode, self.sm.n_layers
+        decode, layers = self._prompts.decode, self.sm.n_layers
         return Request(ids, budget, sampler, list(params.stop), eos, decode, layers, params.logprobs, cache_salt)
 
     def begin(self, req: Request) -> StreamEvent | None:
@@ -116,7 +116,7 @@ class Generator:
 
     def step(self, req: Request) -> StreamEvent | None:
         """One decoding round of a started request."""
-        return self.advance(req, *self._round(req))
+        return self.advance(req, *round_alone(self.sm, self.proposer, req))
 
     def advance(self, req: Request, tokens: list[int], rows: torch.Tensor | None = None) -> StreamEvent | None:
         """Give the request a round's tokens (`Request.take`); on completion, the drafters see it end and its
@@ -125,7 +125,7 @@ class Generator:
         if req.done:
             for drafter in self.proposer.drafters.values():
                 drafter.end(req)
-            self.prefixes.save(req.ctx[: req.cache.length], req.cache, req.salt)  # entry i: ctx[i]'s keys, values
+            self._prefixes.save(req.ctx[: req.cache.length], req.cache, req.salt)  # entry i: ctx[i]'s keys, values
         return event
 
     def take_prompt(self, req: Request) -> int:
@@ -134,7 +134,7 @@ class Generator:
         for drafter in self.proposer.drafters.values():
             drafter.begin(req)
         if self.plain_prefill():
-            req.stats.cached_prompt_tokens = self.prefixes.restore(req.ids, req.cache, req.salt)
+            req.stats.cached_prompt_tokens = self._prefixes.restore(req.ids, req.cache, req.salt)
         return req.stats.cached_prompt_tokens
 
     def plain_prefill(self) -> bool:
@@ -142,7 +142,29 @@ class Generator:
         drafter must read it)."""
         return self.proposer.prefill_reader() is None
 
-    # ---- what a server reads of the engine ---------------------------------------------------------------
+    # ---- what a server reads of the engine, beside the above ---------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """A raw prompt's token ids (no chat template), checked against the vocabulary and the context."""
+        return self._prompts.encode(prompt, False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._prompts.decode(ids)
+
+    def codec(self) -> Prompts:
+        """A prompt codec on a copy of the tokenizer, for another thread (a tokenizer is not shared by threads)."""
+        return Prompts(copy.deepcopy(self.tokenizer), self.sm.vocab_size, self.sm.max_length)
+
+    def save_prefix(self, ids: list[int], cache: SwiftCache, salt: str | None) -> None:
+        """Keep a sequence's cache entries (entry i: ids[i]) for later prompts of the same salt."""
+        self._prefixes.save(ids, cache, salt)
+
+    def prefix_cache(self) -> tuple[int, int]:
+        """(bytes the prefix cache holds, its budget: 0 where it is off or unavailable)."""
+        return self._prefixes.bytes, self._prefixes.budget
+
+    def clear_prefix_cache(self) -> None:
+        self._prefixes.clear()
+
     @property
     def max_length(self) -> int:
         """The model's context length (tokens)."""
@@ -159,17 +181,3 @@ class Generator:
     def warm_up(self) -> None:
         """The first forwards, from the calling thread: the one that will decode (`runtime.model.warm_up`)."""
         warm_up(self.sm)
-
-    # ---- one round --------------------------------------------------------------------------------------
-    def _round(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
-        """One round from the last token of req.ctx (not yet cached): propose, verify, keep; the new tokens and
-        the logits rows that chose them (with logprobs only)."""
-        t0 = time.perf_counter()
-        kind, tree, steps = self.proposer.propose(req)
-        t1, start = time.perf_counter(), req.cache.length
-        tokens, rows, path = settle(req, tree, start, forward_trees(self.sm, [req], [tree])[0][0])
-        t2, plain = time.perf_counter(), kind == "plain"
-        verify_s = t2 - (t0 if plain else t1)  # a plain round's planning counts as verifying
-        account(req.stats, kind, tree, path, t2 - t0, verify_s, 0.0 if plain else t1 - t0, steps)
-        self.proposer.observe(req, kind, tree, tokens, t2 - t0, verify_s)
-        return tokens, rows

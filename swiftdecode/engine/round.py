@@ -5,10 +5,12 @@ then the round is counted in the request's stats (`account`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from swiftdecode.base.config import EngineConfig
-from swiftdecode.decoding.request import GenerationStats, Request
+from swiftdecode.decoding.request import Request
 from swiftdecode.decoding.verification import verify
 from swiftdecode.drafters.base import Copy, Drafter
 from swiftdecode.drafters.registry import build
@@ -69,6 +71,20 @@ class Proposer:
                 drafter.observe(req, tokens, kind, self.schedule.budget)
 
 
+def round_alone(sm: SwiftModel, proposer: Proposer, req: Request) -> tuple[list[int], torch.Tensor | None]:
+    """A request's round alone, from the last token of req.ctx (not yet cached): propose, verify, keep; the new
+    tokens and the logits rows that chose them (with logprobs only)."""
+    t0 = time.perf_counter()
+    kind, tree, steps = proposer.propose(req)
+    t1, start = time.perf_counter(), req.cache.length
+    tokens, rows, path = settle(req, tree, start, forward_trees(sm, [req], [tree])[0][0])
+    t2, plain = time.perf_counter(), kind == "plain"
+    verify_s = t2 - (t0 if plain else t1)  # a plain round's planning counts as verifying
+    account(req, kind, tree, path, t2 - t0, verify_s, 0.0 if plain else t1 - t0, steps)
+    proposer.observe(req, kind, tree, tokens, t2 - t0, verify_s)
+    return tokens, rows
+
+
 def forward_trees(
     sm: SwiftModel, reqs: list[Request], trees: list[Tree], chunk: Part | None = None, chunk_logits: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -97,7 +113,7 @@ def settle(
 
 
 def account(
-    stats: GenerationStats,
+    req: Request,
     kind: str,
     tree: Tree,
     path: list[int],
@@ -109,6 +125,7 @@ def account(
 ) -> None:
     """Count a round of `kind` in the request's stats: `seconds` in all, `verify_s` verifying, `draft_s` drafting
     (`steps` draft forwards), and the accepted nodes by the drafter that proposed them."""
+    stats, req.decode_s = req.stats, req.decode_s + draft_s + verify_s
     stats.round_kinds[kind] = stats.round_kinds.get(kind, 0) + 1
     stats.round_seconds[kind] = stats.round_seconds.get(kind, 0.0) + seconds
     stats.time_split["verify"] += verify_s

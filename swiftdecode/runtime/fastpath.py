@@ -15,7 +15,8 @@ prompt gives the same cache whether it is fed at once or in pieces. It is also f
 at every M measured (1..512), so it is used for all M. Other dtypes, autograd and non-CPU tensors go to torch.
 
 State belongs to the model: `accelerate` leaves the kernel and the sparsity switches in `model.fast_path`, and
-each patched layer holds its own references, so models on different paths share a process.
+each swapped layer holds its own references, so models on different paths share a process. The class swap and
+the attention's registration are `patches`' (why they are patches, and how each is undone).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from swiftdecode.base.errors import UserError
 from swiftdecode.kernels.build import KernelUnavailable
 from swiftdecode.kernels.fp32 import Kernel, load_kernel
 from swiftdecode.kernels.modules import QuantLinear
+from swiftdecode.runtime.patches import restore_attention, swap_class, use_attention
 
 # Activation-sparse drafting (MLP inputs): level -> (fraction of gate/up inputs, fraction of down inputs) that a
 # draft forward treats as zero, the smallest in magnitude. Level 0 is dense.
@@ -160,17 +162,6 @@ def invariant_attention(kernel: Kernel, module, query, key, value, attention_mas
     return kernel.attention(query[0], key[0], value[0], mask, scale)[None], None
 
 
-def _register_attention(kernel: Kernel) -> str:
-    """Register the attention of `kernel` with transformers (once per ISA); returns its implementation name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    name = f"swiftdecode-{kernel.isa}"
-    AttentionInterface.register(name, partial(invariant_attention, kernel))
-    AttentionMaskInterface.register(name, sdpa_mask)
-    return name
-
-
 def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
@@ -195,15 +186,12 @@ def restore(model: nn.Module) -> None:
     """Undo `accelerate`: every FastLinear becomes a plain nn.Linear again, with a contiguous weight."""
     for m in _linears(model):
         if isinstance(m, FastLinear):
-            m.__class__ = nn.Linear
+            swap_class(m, nn.Linear)
             if not m.weight.is_contiguous():
                 m.weight.data = m.weight.data.contiguous()
             for attr in ("role", "thresholds", "kernel", "sparsity"):
                 m.__dict__.pop(attr, None)
-    previous = getattr(model, "_swiftdecode_attn", None)
-    if previous is not None:
-        model.set_attn_implementation(previous)
-        del model._swiftdecode_attn
+    restore_attention(model)
     model.fast_path = FastPathInfo("torch", "restored")
 
 
@@ -240,7 +228,7 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
     sparsity = Sparsity()
     for m in linears:
         if m.weight.dtype == torch.float32:
-            m.__class__ = FastLinear
+            swap_class(m, FastLinear)
             m.kernel, m.sparsity = kernel, sparsity
     for m, role in _mlp_linears(model):  # transposed storage: sparse drafts read only the rows they need
         if isinstance(m, FastLinear) and m.out_features % 16 == 0:
@@ -255,9 +243,9 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
         )
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and hasattr(model, "set_attn_implementation"):
-        name = _register_attention(kernel)
-        model._swiftdecode_attn = config._attn_implementation
-        model.set_attn_implementation(name)
+        from transformers.masking_utils import sdpa_mask
+
+        use_attention(model, f"swiftdecode-{kernel.isa}", partial(invariant_attention, kernel), sdpa_mask)
         reason += " + order-invariant attention"
     return FastPathInfo(f"skinny-{kernel.isa}", reason, n + quant, kernel, sparsity)
 

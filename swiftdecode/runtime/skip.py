@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from swiftdecode.base.errors import UserError
+from swiftdecode.runtime.patches import patches_of, wrap_sublayers
 
 
 @dataclass(frozen=True)
@@ -70,31 +71,25 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 class LayerSkipper:
-    """Patches each decoder layer's `self_attn` and `mlp` so that sublayers in the active SkipSet return zeros."""
+    """Gates each decoder layer's `self_attn` and `mlp` (`patches.wrap_sublayers`): sublayers in the active SkipSet
+    return zeros."""
 
     def __init__(self, model: torch.nn.Module):
         self.layers = decoder_layers(model)
         self.active = SkipSet()
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.forward = self._wrap(layer.self_attn.forward, i, "attn")
-            layer.mlp.forward = self._wrap(layer.mlp.forward, i, "mlp")
+        wrap_sublayers(self.layers, self.skips)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> LayerSkipper:
-        """The model's skipper, patching the model on first use only (generators on one model share it)."""
-        if getattr(model, "_swiftdecode_skipper", None) is None:
-            model._swiftdecode_skipper = cls(model)
-        return model._swiftdecode_skipper
+        """The model's skipper, wrapping its sublayers on first use only (generators on one model share it)."""
+        patches = patches_of(model)
+        if patches.skipper is None:
+            patches.skipper = cls(model)
+        return patches.skipper
 
-    def _wrap(self, forward, index: int, kind: str):
-        def skippable(*args, **kwargs):
-            if index in getattr(self.active, kind):
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                zeros = torch.zeros_like(hidden)
-                return (zeros, None) if kind == "attn" else zeros
-            return forward(*args, **kwargs)
-
-        return skippable
+    def skips(self, index: int, kind: str) -> bool:
+        """Whether sublayer `kind` ("attn" or "mlp") of layer `index` is skipped now."""
+        return index in getattr(self.active, kind)
 
     @contextmanager
     def use(self, skip: SkipSet | None):

@@ -139,7 +139,7 @@ def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int
     with serving(app) as url:
 
         def fresh() -> str:  # the server is idle between replays
-            gen.prefixes.clear()
+            gen.clear_prefix_cache()
             return url
 
         return {"max_batch": max_batch, **replay_pairs(url, fresh, ids, max_tokens, clients, pairs)}

@@ -160,7 +160,7 @@ class Api:
         self.worker: Worker | None = None
         self.created = int(time.time())
         self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.max_length)
-        self.tokens = Tokens(gen.prompts)
+        self.tokens = Tokens(gen.codec())
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -278,12 +278,12 @@ class Api:
 
     def echoed(self, prompt: str | list[int], job: Job) -> tuple:
         """responses.completion's `echo` of a scored job: the prompt's text, ids and entries."""
-        text = prompt if isinstance(prompt, str) else self.gen.prompts.decode(prompt)
+        text = prompt if isinstance(prompt, str) else self.gen.decode(prompt)
         return text, job.prompt.ids, job.prompt.logprobs
 
     def token_text(self, token: int) -> str:
         """A token's text, as a response's logprobs show it."""
-        return self.gen.prompts.decode([token])
+        return self.gen.decode([token])
 
     async def run_job(self, request: Request, job: Job) -> AsyncIterator[Any]:
         """Queue the job and yield its engine events; cancels the job if the client leaves or we stop early."""

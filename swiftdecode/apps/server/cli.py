@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
     gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=args.prefix_cache_gb)
-    if args.prefix_cache_gb > 0 and not gen.prefixes.budget:
+    if args.prefix_cache_gb > 0 and not gen.prefix_cache()[1]:
         print("swiftdecode: no prefix cache on this model's forward path (needs the skinny kernels)", file=sys.stderr)
     app = create_app(
         gen,

@@ -8,7 +8,6 @@ They run on a tokenizer of their own, off the event loop: the worker thread's is
 
 from __future__ import annotations
 
-import copy
 import threading
 
 from swiftdecode.apps.server.protocol import ApiError, check, parse_body, parse_messages, parse_tools, take
@@ -17,10 +16,10 @@ from swiftdecode.decoding.tools import render
 
 
 class Tokens:
-    """A copy of the served tokenizer, its calls one at a time."""
+    """A copy of the served tokenizer (`prompts`), its calls one at a time."""
 
     def __init__(self, prompts: Prompts):
-        self.prompts = Prompts(copy.deepcopy(prompts.tokenizer), prompts.vocab_size, prompts.max_length)
+        self.prompts = prompts  # its own tokenizer (Generator.codec)
         self.lock = threading.Lock()
 
     def tokenize(self, raw: bytes) -> dict:

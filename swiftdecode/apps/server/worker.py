@@ -48,7 +48,7 @@ def encoded(gen: Generator, prompt: Prompt) -> list[int]:
     """The prompt's ids, encoded by the first of its choices to start (the tokenizer: the worker thread only)."""
     if prompt.ids is None:
         given = prompt.given
-        prompt.ids = gen.chat_ids(given, prompt.tools) if prompt.chat else gen.prompts.encode(given, False)
+        prompt.ids = gen.chat_ids(given, prompt.tools) if prompt.chat else gen.encode(given)
     return prompt.ids
 
 
@@ -64,7 +64,7 @@ def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
         if not prompt.scorer.done:
             return None
         prompt.logprobs, cache, prompt.scorer = prompt.scorer.entries, prompt.scorer.cache, None
-        gen.prefixes.save(prompt.ids, cache, job.request.salt)
+        gen.save_prefix(prompt.ids, cache, job.request.salt)
     if job.params["params"].max_new_tokens:
         return False
     n, lps = len(prompt.ids), [] if k is not None else None
@@ -162,7 +162,7 @@ class Worker:
         prefix cache)."""
         with self.cond:
             reserved = self.running.reserved.bytes
-            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.prefixes.bytes
+            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.prefix_cache()[0]
 
     def close(self) -> None:
         self._stop(ApiError(503, "server shutting down"))

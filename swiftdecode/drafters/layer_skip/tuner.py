@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from swiftdecode.decoding.request import GenerationStats, Request
+from swiftdecode.decoding.request import Request
 from swiftdecode.drafters.budget import TimeBudget
+from swiftdecode.drafters.layer_skip.draft import SOURCE
 from swiftdecode.drafters.layer_skip.profile import Collinearity, draft_cost
 from swiftdecode.drafters.layer_skip.search import DraftCost, LayerSearch
 from swiftdecode.runtime import fastpath
@@ -85,29 +86,30 @@ class SkipTuner:
 
     def after_round(self, req: Request, out: list[int], kind: str, budget: TimeBudget) -> None:
         """Tell the search a round's acceptance (`out`: its tokens, not yet in req.ctx), then take one search step
-        on the request's cache if `_may_step` allows it."""
+        on the request's cache if `_may_step` allows it (the request's search seconds: req.drafts[SOURCE])."""
         if self.search is None:
             return
         if kind != "plain":
             self.search.observe_acceptance(len(out))
-        if self._may_step(req.ctx, req.stats, budget):
+        searched = req.drafts.get(SOURCE, 0.0)
+        if self._may_step(req, searched, budget):
             t = time.perf_counter()
             self.step(req.ctx + out[:-1], out[-1], req.cache)
             spent = time.perf_counter() - t
             self.step_s = spent if self.step_s is None else max(spent, STEP_DECAY * self.step_s)
-            req.stats.time_split["optimize"] += spent
+            req.drafts[SOURCE] = searched + spent
+            req.stats.time_split["optimize"] += spent  # reported, not read back
             budget.searched(spent)
 
-    def _may_step(self, ctx: list[int], stats: GenerationStats, budget: TimeBudget) -> bool:
+    def _may_step(self, req: Request, searched: float, budget: TimeBudget) -> bool:
         """Whether to take a search step: while searching, once this request has generated a whole matchness
         window (so windows hold its own output only), within the overhead cap both over recent rounds and within
-        this request: the request's search time, this step's included (its expected cost), stays below the cap's
-        share of its decoding time, so short answers cannot overspend."""
-        cap, generated = self.search.cfg.max_overhead, len(ctx) - stats.prompt_tokens
-        decoded = stats.time_split["draft"] + stats.time_split["verify"]
+        this request: its search seconds (`searched`), this step's included (its expected cost), stay below the
+        cap's share of its decoding seconds, so short answers cannot overspend."""
+        cap, generated, decoded = self.search.cfg.max_overhead, len(req.new), req.decode_s
         first_guess = FIRST_STEP_TOKENS * decoded / max(generated, 1)  # before one is measured
         step = self.step_s if self.step_s is not None else first_guess
-        within = budget.within(cap) and stats.time_split["optimize"] + step <= cap * decoded
+        within = budget.within(cap) and searched + step <= cap * decoded
         return self.search.searching and within and generated >= self.cfg.window
 
     def step(self, ctx: list[int], pending: int, cache: SwiftCache) -> None:
