@@ -90,10 +90,13 @@ def pick_prompts(records: list[dict], per_category: int, categories: list[str]) 
 
 def batched_and_solo(gen, mix: list[tuple[str, dict]], max_new_tokens: int) -> tuple[list, list[list[int]]]:
     """Chat prompts with their keywords, answered alone and then joining a Batch one round apart: (the batched
-    Requests, the solo answers' token ids)."""
+    Requests, the solo answers' token ids). The solo answers run as another tenant (`cache_salt`), so the batch
+    cannot copy them whole from the suffix drafter's pool and finish before the others join."""
     from swiftdecode.engine.batch import Batch
 
-    solo = [gen.generate(p, chat=True, max_new_tokens=max_new_tokens, **kw).token_ids for p, kw in mix]
+    solo = [
+        gen.generate(p, chat=True, max_new_tokens=max_new_tokens, cache_salt="solo", **kw).token_ids for p, kw in mix
+    ]
     batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=max_new_tokens, **kw) for p, kw in mix]
     for req in reqs:
         batch.add(req)

@@ -150,7 +150,7 @@ def test_a_request_failing_mid_round_leaves_the_batch_alone(smollm):
 
     gen = Generator(*smollm, method="swift")
     prompts = ["Name three fruits.", "Count from one to ten.", "What is the capital of France?"]
-    solo = [gen.generate(p, chat=True, max_new_tokens=24).token_ids for p in prompts]
+    solo = [gen.generate(p, chat=True, max_new_tokens=24, cache_salt="solo").token_ids for p in prompts]
     batch, reqs = Batch(gen), [gen.request(p, chat=True, max_new_tokens=24) for p in prompts]
     bad, picks, real = reqs[1], [0], reqs[1].sampler.pick
 
@@ -440,7 +440,7 @@ def test_kv_reservations_grow_and_an_evicted_request_resumes_exactly(gen):
     from concurrent.futures import ThreadPoolExecutor
 
     prompts, body = ["The sky is", "Water boils at", "1, 2, 3,"], {"model": MODEL, "max_tokens": 60, "temperature": 0}
-    solo = [gen.generate(p, max_new_tokens=60).text for p in prompts]
+    solo = [gen.generate(p, max_new_tokens=60, cache_salt="solo").text for p in prompts]
     entries = 1.5 * (8 + 60 + 128)  # one request's prompt, max_tokens and round's slack, and half another's
     with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_bytes_per_token() / 2**30)) as base:
         with ThreadPoolExecutor(3) as pool:

@@ -103,3 +103,25 @@ def test_spec_bench_six_tasks(spec_bench_path):
     assert sorted(cats) == ["math_reasoning", "mt-bench", "qa", "rag", "summarization", "translation"]
     assert len(prompts) == 30
     assert len({p.id for p in prompts}) == 30
+
+
+def test_code_edits_hold_the_function_and_one_edit():
+    from swiftdecode.apps.data import EDITS, humaneval_rows
+
+    rows, prompts = humaneval_rows(), load_prompts("code-edit")
+    assert len(prompts) == len(rows) == 164 and {p.category for p in prompts} == {"code-edit"}
+    for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
+        assert p.id == row["task_id"] and row["canonical_solution"].rstrip() in p.text
+        head = EDITS[i % len(EDITS)].split("`")[0]  # the edit's wording before its first name
+        assert head in p.text and f"`{row['entry_point']}`" in p.text
+    assert load_prompts("code-edit", limit=3) == load_prompts("code-edit", limit=3)
+
+
+def test_json_records_are_made_up_deterministically_and_fit_their_schema():
+    from swiftdecode.apps.data import RECORDS_SCHEMA
+
+    prompts = load_prompts("json-records")
+    assert len(prompts) == 40 and len({p.text for p in prompts}) == 40
+    people = prompts[0].text.splitlines()[1:]
+    assert len(people) == 4 and all("-year-old" in line and "joined in" in line for line in people)
+    assert RECORDS_SCHEMA["items"]["required"] == ["name", "age", "job", "city", "joined"]

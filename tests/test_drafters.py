@@ -43,7 +43,7 @@ class PromptEcho(Drafter):
 
 def echo_engine(smollm, monkeypatch) -> Generator:
     monkeypatch.setitem(registry.DRAFTERS, PromptEcho.kind, PromptEcho)  # the one registry line
-    config = EngineConfig(draft=replace(SWIFT_DRAFT, ngram=8), search=None, modes=("echo", "plain"))
+    config = EngineConfig(draft=replace(SWIFT_DRAFT, copy=8), search=None, modes=("echo", "plain"))
     return Generator(*smollm, method="swift", config=config)
 
 

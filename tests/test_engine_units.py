@@ -285,7 +285,7 @@ def test_coupled_sampling_draft_is_always_accepted_when_the_draft_is_the_model(s
     draft = DraftConfig(max_depth=6, epsilon=0.0, max_nodes=6, topk=((0.0, 1),), sampling_topk=((0.0, 1),))
     cfg = EngineConfig(draft=draft, search=None, init="uniform", init_ratio=0.0, adaptive=False)
     gen = Generator(model, tok, method="uniform", config=cfg)
-    assert gen.skip.size == 0
+    assert gen.proposer.drafters["draft"].tuner.skip.size == 0
     prompt = "Write a short poem about the sea."
     res = gen.generate(prompt, max_new_tokens=40, temperature=1.0, seed=11, chat=True)
     plain = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=40, temperature=1.0, seed=11, chat=True)
@@ -364,7 +364,7 @@ def test_search_stays_within_its_cap_on_every_request(smollm, monkeypatch):
     assert steps  # the search did run
 
 
-@pytest.mark.parametrize("method", ["swift", "ngram", "skip-only", "ar"])
+@pytest.mark.parametrize("method", ["swift", "suffix", "ngram", "skip-only", "ar"])
 def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
     """Every round is counted under its kind and every accepted draft token under the drafter(s) that proposed it;
     an ablation never runs the drafter it leaves out."""
@@ -372,17 +372,20 @@ def test_rounds_and_accepted_tokens_are_counted_by_source(smollm, method):
     prompt = "Repeat this line three times: the quick brown fox jumps over the lazy dog."
     res = gen.generate(prompt, max_new_tokens=64, chat=True)
     s, kinds, acc = res.stats, res.stats.round_kinds, res.stats.accepted_by_source
-    assert sum(acc.values()) == s.accepted_draft_tokens and s.tree_rounds == kinds["draft"] + kinds["ngram"]
+    copies = kinds["suffix"] + kinds["ngram"]
+    assert sum(acc.values()) == s.accepted_draft_tokens and s.tree_rounds == kinds["draft"] + copies
     assert s.round_seconds["plain"] <= s.time_split["verify"] and all(v >= 0 for v in s.round_seconds.values())
     if method == "ar":
         # one token from the prefill, one per round; an EOS ends the last round uncounted
-        assert kinds["draft"] == kinds["ngram"] == 0 and kinds["plain"] == s.new_tokens - (res.finish_reason != "stop")
-    if method == "ngram":
-        assert kinds["draft"] == acc["skip"] == acc["both"] == 0 and kinds["ngram"] > 0
+        assert kinds["draft"] == copies == 0 and kinds["plain"] == s.new_tokens - (res.finish_reason != "stop")
+    if method in ("suffix", "ngram"):
+        other = "ngram" if method == "suffix" else "suffix"
+        assert kinds["draft"] == kinds[other] == acc["skip"] == acc[other] == acc["both"] == 0 and kinds[method] > 0
     if method == "skip-only":
-        assert kinds["ngram"] == acc["ngram"] == acc["both"] == 0 and kinds["draft"] > 0
+        assert copies == acc["suffix"] == acc["ngram"] == acc["both"] == 0 and kinds["draft"] > 0
     if method == "swift":
-        assert kinds["draft"] > 0 and kinds["ngram"] > 0
+        assert kinds["ngram"] == acc["ngram"] == 0 and kinds["suffix"] > 0 and acc["suffix"] > 0
+        assert kinds["draft"] + kinds["suffix"] + kinds["plain"] == sum(kinds.values())
 
 
 @pytest.mark.parametrize("model_name", ["smollm", "qwen", "gemma"])  # byte-level BPE twice, SentencePiece

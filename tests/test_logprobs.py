@@ -60,7 +60,7 @@ def test_streamed_entries_add_up_to_the_result_and_follow_a_stop_cut(smollm):
 def test_batched_requests_report_their_solo_logprobs(smollm):
     gen = Generator(*smollm, method="swift")
     mix = [("List ten fruits.", {}), ("Name three planets.", SAMPLED), ("Count from 1 to 30.", dict(stop=["6. 6"]))]
-    solo = [gen.generate(p, chat=True, max_new_tokens=32, logprobs=2, **kw) for p, kw in mix]
+    solo = [gen.generate(p, chat=True, max_new_tokens=32, logprobs=2, cache_salt="solo", **kw) for p, kw in mix]
     batch, reqs = Batch(gen), []
     for p, kw in mix:
         reqs.append(gen.request(p, chat=True, max_new_tokens=32, logprobs=2, **kw))

@@ -79,7 +79,7 @@ def test_chat_turns_reuse_earlier_turns_and_answer_the_same(smollm, params):
         cached.append(got.stats.cached_prompt_tokens)
         history.append({"role": "assistant", "content": got.text})
     assert cached[0] == 0 and all(n > 20 for n in cached[1:])  # the system prompt and earlier turns
-    assert warm.prefix_cache()[0] > 0 and cold.prefix_cache()[0] == 0
+    assert warm.memory()["prefix_cache"] > 0 and cold.memory()["prefix_cache"] == 0
 
 
 def test_batched_joiners_reuse_a_shared_prompt(smollm):
@@ -99,4 +99,4 @@ def test_batched_joiners_reuse_a_shared_prompt(smollm):
 
 def test_prefix_cache_is_off_where_reuse_would_not_be_exact(gemma):
     """Gemma runs through transformers' modules (not batch-invariant): its generator keeps no prefixes."""
-    assert Generator(*gemma, method="ar", prefix_cache_gb=1.0).prefix_cache()[1] == 0
+    assert Generator(*gemma, method="ar", prefix_cache_gb=1.0).memory()["prefix_budget"] == 0

@@ -1,8 +1,11 @@
-"""Prompt sets for `generate --prompt-file` and `bench`: text files, Spec-Bench JSONL, HumanEval.
+"""Prompt sets for `generate --prompt-file` and `bench`: text files, Spec-Bench JSONL, HumanEval, and two made for
+copy-heavy work: code editing built from HumanEval (a canonical solution and a mechanical edit to make: the
+answer copies most of the prompt) and made-up records to list as JSON (one structure, repeated).
 
 Categories: a JSONL row's `category`; each line of a text file is in category "text"; HumanEval is
-"humaneval". In a file holding all 8 MT-bench sub-categories (Spec-Bench), they form the group "mt-bench"
-(its multi-turn task); other files keep their categories as written.
+"humaneval", code editing "code-edit", the records "json-records". In a file holding all 8 MT-bench
+sub-categories (Spec-Bench), they form the group "mt-bench" (its multi-turn task); other files keep their
+categories as written.
 Without `categories`, prompts are grouped by file category with the MT-bench ones folded into "mt-bench";
 with `categories`, each named category (or "mt-bench") is one group. `Prompt.category` is the group name.
 `limit` keeps at most N prompts per group, evenly spaced in file order (indices floor(i * n / N)), so the
@@ -21,6 +24,14 @@ from swiftdecode.base.errors import UserError
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TEXT_CATEGORY = "text"
 HUMANEVAL = "humaneval"
+CODE_EDIT = "code-edit"
+RECORDS = "json-records"
+# The mechanical edits, taken in turn: {name} is the function's name, {arg} its first parameter.
+EDITS = (
+    "Add type hints to every parameter and to the return value of `{name}`; change nothing else.",
+    "Rename the parameter `{arg}` of `{name}` to `{arg}_in` everywhere it is used; change nothing else.",
+    "Rewrite `{name}` so that each for loop that only builds a list becomes a list comprehension; keep the rest.",
+)
 
 
 @dataclass(frozen=True)
@@ -31,10 +42,12 @@ class Prompt:
 
 
 def load_prompts(source: str, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
-    """Read `source` (path or "humaneval"), select `categories`, keep <= `limit` per group; never empty."""
+    """Read `source` (a path, "humaneval", "code-edit" or "json-records"), select `categories`, keep <= `limit` per
+    group; never empty."""
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
-    rows = _read_humaneval() if source == HUMANEVAL else _read_file(Path(source))
+    readers = {HUMANEVAL: _read_humaneval, CODE_EDIT: _read_code_edits, RECORDS: _records}
+    rows = readers[source]() if source in readers else _read_file(Path(source))
     if not rows:
         raise UserError(f"no prompts in {source}")
     groups = _group(rows, categories)
@@ -123,3 +136,54 @@ def humaneval_rows() -> list[dict]:
 def _read_humaneval() -> list[Prompt]:
     """HumanEval's problems as prompts; text = the function signature + docstring."""
     return [Prompt(r["task_id"], HUMANEVAL, r["prompt"]) for r in humaneval_rows()]
+
+
+def _read_code_edits() -> list[Prompt]:
+    """HumanEval's functions with their canonical solutions, each with one of EDITS to make (in turn); the answer
+    asked for is the whole edited function."""
+    import ast
+
+    out = []
+    for i, r in enumerate(humaneval_rows()):
+        code = r["prompt"] + r["canonical_solution"]
+        fn = next(n for n in ast.parse(code).body if isinstance(n, ast.FunctionDef) and n.name == r["entry_point"])
+        arg = fn.args.args[0].arg if fn.args.args else "x"
+        edit = EDITS[i % len(EDITS)].format(name=fn.name, arg=arg)
+        text = f"```python\n{code.rstrip()}\n```\n\n{edit} Reply with the whole edited code in one code block."
+        out.append(Prompt(r["task_id"], CODE_EDIT, text))
+    return out
+
+
+# json-records: made-up people, four to a prompt, to extract as a JSON array (`RECORDS_SCHEMA`): answers that
+# repeat one structure within a prompt and across prompts. Deterministic: record k takes the k-th of each list.
+NAMES = ("Ada Moreau", "Bruno Silva", "Chen Wei", "Dara Okafor", "Elif Kaya", "Farid Haddad", "Greta Lind")
+JOBS = ("nurse", "carpenter", "data analyst", "teacher", "pilot", "chemist", "baker", "architect", "librarian")
+CITIES = ("Lisbon", "Osaka", "Nairobi", "Toronto", "Krakow", "Quito", "Perth", "Tallinn", "Accra", "Seville")
+RECORDS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "job": {"type": "string"},
+            "city": {"type": "string"},
+            "joined": {"type": "integer"},
+        },
+        "required": ["name", "age", "job", "city", "joined"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _records() -> list[Prompt]:
+    """40 prompts of four made-up people each, asking for them as a JSON array (schema: RECORDS_SCHEMA)."""
+    out = []
+    for i in range(40):
+        people = []
+        for k in range(4 * i, 4 * i + 4):
+            name, job, city = NAMES[k % len(NAMES)], JOBS[k % len(JOBS)], CITIES[k % len(CITIES)]
+            people.append(f"{name}, a {23 + k * 7 % 40}-year-old {job} from {city}, joined in {1995 + k * 3 % 29}.")
+        ask = "List these people as a JSON array of objects with keys name, age, job, city and joined (a year):"
+        out.append(Prompt(f"records-{i}", RECORDS, ask + "\n" + "\n".join(people)))
+    return out

@@ -22,13 +22,16 @@ def isa_of(fast_path: str) -> str | None:
 # KV entries of finished sequences `serve` and `chat` keep for later prompts with the same beginning (a system
 # prompt, earlier turns): ~45k tokens of SmolLM2-135M in fp16, ~85k of Qwen2.5-0.5B.
 PREFIX_CACHE_GB = 1.0
-# decoding methods of the engine (see `preset`); "ngram" and "skip-only" are ablations of "swift"
-METHODS = ("swift", "swift-paper", "uniform", "ngram", "skip-only", "ar")
+# decoding methods of the engine (see `preset`); "suffix", "ngram" and "skip-only" are ablations of "swift"
+METHODS = ("swift", "swift-paper", "uniform", "suffix", "ngram", "skip-only", "ar")
 # Kinds of decoding round: a drafter's kind (drafters.registry) or "plain", in the order the engine asks them:
-# "ngram" = the n-gram drafter's copy alone (no draft forward); "draft" = the layer-skip drafter's tree with the
-# copy as one more branch, verified in one forward; "plain" = one token, as plain decoding.
-MODES = ("ngram", "draft", "plain")
-SOURCES = ("skip", "ngram", "both")  # where accepted draft tokens came from (GenerationStats.accepted_by_source)
+# "suffix" / "ngram" = a copying drafter's copy alone (no draft forward); "draft" = the layer-skip drafter's tree
+# with the copy as one more branch, verified in one forward; "plain" = one token, as plain decoding.
+MODES = ("suffix", "ngram", "draft", "plain")
+# where accepted draft tokens came from (GenerationStats.accepted_by_source); "both": several drafters
+SOURCES = ("skip", "suffix", "ngram", "both")
+# The suffix drafter's pool of finished sequences, per tenant: 64k tokens (256 KB), searched in ~0.1 ms a round.
+COPY_POOL_TOKENS = 65536
 
 # SWIFT's mapping from the draft's top-1 probability to the number of candidates at a depth:
 # the more confident the draft, the fewer siblings it needs.
@@ -45,7 +48,7 @@ class DraftConfig:
     max_nodes: int = 24  # tree nodes at most; skip-draft nodes are kept best first by estimated acceptance
     topk: tuple[tuple[float, int], ...] = GREEDY_TOPK  # candidates per depth, greedy decoding
     sampling_topk: tuple[tuple[float, int], ...] = SAMPLING_TOPK  # ... when sampling
-    ngram: int = 0  # longest copied chain (a copying drafter's: the n-gram continuation) added as a branch (0 = off)
+    copy: int = 0  # longest chain a copying drafter proposes (the row-cost planner verifies what pays; 0 = off)
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,17 @@ class EngineConfig:
     draft_vocab: int = 0  # score drafts over this many likely tokens only (0 = the whole vocabulary)
     sparsity: int = 0  # initial activation-sparsity level of the draft's MLPs (fastpath.SPARSITY_LEVELS)
     adaptive: bool = True  # choose each round's kind by measured speed; False: always draft with the skip model
-    modes: tuple[str, ...] = MODES  # round kinds the engine may use (ablations leave out a drafter)
+    modes: tuple[str, ...] = ("suffix", "draft", "plain")  # round kinds the engine may use (ablations: fewer)
+    copy_pool: int = COPY_POOL_TOKENS  # tokens of finished sequences the suffix drafter may copy from (0 = off)
 
 
 # `swift`: compact trees, since on a CPU every verified token costs: stop drafting below 50% confidence, 8 tree
-# nodes in all, fewer siblings per depth (COMPACT_TOPK), an n-gram branch of up to 8 tokens. Measured when
+# nodes in all, fewer siblings per depth (COMPACT_TOPK), a copied branch of up to 8 tokens. Measured when
 # adopted: 1.01-1.04x `ar` at one thread, against 0.76-0.93x with SWIFT's wider trees.
-SWIFT_DRAFT = DraftConfig(epsilon=0.5, max_nodes=8, topk=COMPACT_TOPK, sampling_topk=COMPACT_TOPK, ngram=8)
+SWIFT_DRAFT = DraftConfig(epsilon=0.5, max_nodes=8, topk=COMPACT_TOPK, sampling_topk=COMPACT_TOPK, copy=8)
+# A copy round's chain at most: long copies pay where they keep being accepted (an edited function, a quoted
+# source), and the row-cost planner verifies only as much of a chain as its measured acceptance pays for.
+SWIFT_COPY = 32
 # The draft head scores only the 16384 tokens most seen so far (the registry models have 49k-262k): a fraction of
 # a full head's cost, while verification still scores the whole vocabulary.
 SWIFT_DRAFT_VOCAB = 16384
@@ -100,14 +107,14 @@ UNIFORM_RATIO = 0.5  # the static baseline: attention and MLP of every other inn
 def preset(method: str) -> EngineConfig:
     """Configuration of each method: ours, SWIFT's published one, a static uniform draft."""
     if method == "swift":
-        return EngineConfig(
-            draft=SWIFT_DRAFT, draft_vocab=SWIFT_DRAFT_VOCAB, init_ratio=SWIFT_INIT_RATIO, sparsity=SWIFT_SPARSITY
-        )
-    if method == "ngram":  # ablation: swift's tree rounds without the layer-skip draft
-        return replace(preset("swift"), search=None, draft_vocab=0, sparsity=0, modes=("ngram", "plain"))
-    if method == "skip-only":  # ablation: swift without the n-gram branch
+        draft = replace(SWIFT_DRAFT, copy=SWIFT_COPY)
+        return EngineConfig(draft, draft_vocab=SWIFT_DRAFT_VOCAB, init_ratio=SWIFT_INIT_RATIO, sparsity=SWIFT_SPARSITY)
+    if method in ("suffix", "ngram"):  # ablations: swift's copy rounds alone; "ngram": the 2-3 token copy of v0.x
+        only = replace(preset("swift"), search=None, draft_vocab=0, sparsity=0, modes=(method, "plain"))
+        return only if method == "suffix" else replace(only, draft=SWIFT_DRAFT)
+    if method == "skip-only":  # ablation: swift without the copied branch
         swift = preset("swift")
-        return replace(swift, draft=replace(swift.draft, ngram=0), modes=("draft", "plain"))
+        return replace(swift, draft=replace(swift.draft, copy=0), modes=("draft", "plain"))
     if method == "swift-paper":  # SWIFT's optimisation phase: a search step every round, no overhead cap
         paper = SearchConfig(fixed_ratio=PAPER_RATIO, restart_drop=0.0, **PAPER_SEARCH)  # the paper never restarts
         draft = DraftConfig(max_nodes=PAPER_NODES)

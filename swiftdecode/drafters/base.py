@@ -79,3 +79,7 @@ class Drafter:
 
     def end(self, req: Request) -> None:
         """A request finished (its stats are filled in before its result is returned)."""
+
+    def kept_bytes(self) -> int:
+        """Memory it keeps across requests beyond its fixed tables (bytes; a copying drafter's pool)."""
+        return 0

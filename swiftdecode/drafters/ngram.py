@@ -8,14 +8,15 @@ from array import array
 
 from swiftdecode.decoding.request import Request
 from swiftdecode.drafters.base import Copy, Drafter
-from swiftdecode.drafters.rowcost import DepthAcceptance
+from swiftdecode.drafters.rowcost import PRIOR_P, DepthAcceptance
 
 FORCED = 99  # the acceptance table's key for the tokens a grammar forces (a tool call's frame), beside n-gram orders
 
 
 class NgramDrafter(Drafter):
-    """Copies from the request's own context. Acceptance tables (by n-gram order) are learned across requests; a
-    request's copies not yet scored wait in `req.drafts["ngram"]` as (start, tokens, order)."""
+    """Copies from the request's own context. Acceptance tables (by n-gram order: a continuation's key) are learned
+    across requests; a request's copies not yet scored wait in `req.drafts[source]` as (start, tokens, key). A
+    subclass copies from elsewhere by overriding `continuation`."""
 
     kind = source = "ngram"
     copies = True
@@ -30,22 +31,28 @@ class NgramDrafter(Drafter):
         ctx, constraint, pending = req.ctx, req.sampler.constraint, req.drafts.setdefault(self.source, [])
         self.resolve(ctx, pending)
         forced = constraint.forced(length) if constraint is not None else []
-        copied, order = (forced, FORCED) if forced else ngram_continuation(ctx, length)
-        if not order:
+        copied, key = (forced, FORCED) if forced else self.continuation(req, length)
+        if not key:
             return None
-        pending.append((len(ctx), copied, order))
-        return Copy(copied, self.acceptance.setdefault(order, DepthAcceptance()).accept)
+        pending.append((len(ctx), copied, key))
+        if key not in self.acceptance:  # tokens a grammar forces are the only ones it allows: sure from the start
+            self.acceptance[key] = DepthAcceptance(1.0 if key == FORCED else PRIOR_P)
+        return Copy(copied, self.acceptance[key].accept)
+
+    def continuation(self, req: Request, length: int) -> tuple[list[int], object]:
+        """At most `length` tokens to copy after req.ctx and the key of their acceptance table (([], 0): none)."""
+        return ngram_continuation(req.ctx, length)
 
     def resolve(self, ctx: list[int], pending: list) -> None:
         """Record each pending copy whose fate ctx tells (a mismatch, or all its tokens generated); keep the rest."""
         undecided = []
-        for start, copied, order in pending:
+        for start, copied, key in pending:
             known = ctx[start : start + len(copied)]
             k = next((i for i, (a, b) in enumerate(zip(known, copied, strict=False)) if a != b), len(known))
             if k < len(known) or len(known) == len(copied):
-                self.acceptance[order].record(len(copied), k)
+                self.acceptance[key].record(len(copied), k)
             else:
-                undecided.append((start, copied, order))
+                undecided.append((start, copied, key))
         pending[:] = undecided
 
 
@@ -58,12 +65,15 @@ def ngram_continuation(ctx: list[int], length: int, n_max: int = 3, n_min: int =
     if length <= 0 or len(ctx) <= n_min:
         return [], 0
     data = array("i", ctx).tobytes()
-    hay = len(data) - 4  # occurrences end before the last token (so a token follows them)
     for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
-        needle, end = data[-4 * n :], hay
-        while (at := data.rfind(needle, 0, end)) >= 0 and at % 4:
-            end = at + 4 * n - 1  # a hit across token boundaries: look further back
-        if at >= 0:
-            start = at // 4 + n
-            return ctx[start : start + length], n
+        if (at := latest(data, data[-4 * n :], len(data) - 4)) >= 0:  # ending before the last token
+            return ctx[at + n : at + n + length], n
     return [], 0
+
+
+def latest(hay: bytes, needle: bytes, end: int) -> int:
+    """The token index (4-byte tokens) of the latest occurrence of `needle` that lies wholly in hay[:end] and starts
+    on a token boundary; -1 if none."""
+    while (at := hay.rfind(needle, 0, end)) >= 0 and at % 4:
+        end = at + len(needle) - 1  # a hit across token boundaries: look further back
+    return at // 4 if at >= 0 else -1

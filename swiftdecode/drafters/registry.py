@@ -7,9 +7,11 @@ from swiftdecode.base.config import EngineConfig
 from swiftdecode.drafters.base import Drafter
 from swiftdecode.drafters.layer_skip.drafter import LayerSkipDrafter
 from swiftdecode.drafters.ngram import NgramDrafter
+from swiftdecode.drafters.suffix import SuffixDrafter
 from swiftdecode.runtime.model import SwiftModel
 
 DRAFTERS: dict[str, type[Drafter]] = {
+    SuffixDrafter.kind: SuffixDrafter,
     NgramDrafter.kind: NgramDrafter,
     LayerSkipDrafter.kind: LayerSkipDrafter,
 }

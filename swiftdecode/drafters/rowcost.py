@@ -17,8 +17,11 @@ from collections.abc import Callable
 # The fit and the acceptance counts keep this much per observation (about the last 100): costs drift with the
 # context length, acceptance with the text.
 KEEP = 0.99
-PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, proposed) each depth starts from: an even chance, overruled in a few rounds
-MAX_DEPTH = 16  # depths counted; deeper copied tokens share the last count
+# Each depth d starts from PRIOR_WEIGHT copies of which a share PRIOR_P**d were accepted that deep: an even chance
+# for the first token, halving with every further one (a copy is accepted up to its first miss), overruled in a
+# few rounds. A flat even chance sent 32-token copies out on a table's first rounds.
+PRIOR_P, PRIOR_WEIGHT = 0.5, 2.0
+MAX_DEPTH = 64  # depths counted (a copy round's chain is at most 32 tokens); deeper ones share the last count
 
 
 class CostLine:
@@ -45,9 +48,9 @@ class DepthAcceptance:
     """P(a copied token at depth d is accepted), d = 1 the root's child: the chance that the first d copied
     tokens equal the tokens generated."""
 
-    def __init__(self):
-        self.accepted = [PRIOR_ACCEPT[0]] * MAX_DEPTH
-        self.proposed = [PRIOR_ACCEPT[1]] * MAX_DEPTH
+    def __init__(self, prior: float = PRIOR_P):
+        self.accepted = [PRIOR_WEIGHT * prior ** (d + 1) for d in range(MAX_DEPTH)]
+        self.proposed = [PRIOR_WEIGHT] * MAX_DEPTH
 
     def record(self, proposed: int, accepted: int) -> None:
         """A copy of `proposed` tokens whose first `accepted` were the ones generated."""

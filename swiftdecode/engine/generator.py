@@ -24,7 +24,6 @@ from swiftdecode.engine.round import Proposer, round_alone
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel, warm_up
 from swiftdecode.runtime.prefix import PrefixStore
-from swiftdecode.runtime.skip import SkipSet
 
 __all__ = ["PAPER_SEARCH", "EngineConfig", "Generator", "preset"]
 
@@ -52,12 +51,6 @@ class Generator:
         self.grammars = Grammars(tokenizer, self.sm.vocab_size, self.eos)
         self.proposer = Proposer(self.sm, cfg)
         self._prefixes = PrefixStore(int(prefix_cache_gb * 2**30) if self.sm.layer_loop() != "transformers" else 0)
-
-    @property
-    def skip(self) -> SkipSet | None:
-        """The skip set the layer-skip draft uses now (None before one is chosen, or without that drafter)."""
-        drafter = self.proposer.drafters.get("draft")
-        return drafter.tuner.skip if drafter is not None else None
 
     def chat_ids(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, see tools.render) in the chat template, ready for the answer."""
@@ -158,9 +151,10 @@ class Generator:
         """Keep a sequence's cache entries (entry i: ids[i]) for later prompts of the same salt."""
         self._prefixes.save(ids, cache, salt)
 
-    def prefix_cache(self) -> tuple[int, int]:
-        """(bytes the prefix cache holds, its budget: 0 where it is off or unavailable)."""
-        return self._prefixes.bytes, self._prefixes.budget
+    def memory(self) -> dict[str, int]:
+        """Bytes kept across requests: the prefix cache's (and its budget: 0 where off or unavailable), drafters'."""
+        drafted = sum(d.kept_bytes() for d in self.proposer.drafters.values())
+        return {"prefix_cache": self._prefixes.bytes, "prefix_budget": self._prefixes.budget, "drafters": drafted}
 
     def clear_prefix_cache(self) -> None:
         self._prefixes.clear()

@@ -52,13 +52,15 @@ class Proposer:
         tree, room, cfg = Tree(req.ctx[-1]), req.room, self.cfg
         if cfg is None or room <= 1:
             return "plain", tree, 0
-        copy, pays, copier = self.copy(req, 1, min(cfg.draft.ngram, room - 1), self.line)
+        copy, pays, copier = self.copy(req, 1, min(cfg.draft.copy, room - 1), self.line)
         kind = copier if pays > 0 else self.schedule.choose(self.ready())
         if kind == "plain":
             return kind, tree, 0
         steps = self.drafters[kind].grow(req, tree, room - 1, self.schedule.rate["plain"]) if kind != copier else 0
-        if copy is not None:
-            tree.add_chain(copy.tokens[:pays] if kind == copier else copy.tokens, cfg.draft.max_nodes, copier)
+        if kind == copier:
+            tree.add_chain(copy.tokens[:pays], pays, copier)
+        elif copy is not None:  # beside a draft, the whole copy fills what the tree's budget leaves
+            tree.add_chain(copy.tokens, cfg.draft.max_nodes, copier)
         return kind, tree, steps
 
     def observe(self, req: Request, kind: str, tree: Tree, tokens: list[int], seconds: float, verify_s: float) -> None:

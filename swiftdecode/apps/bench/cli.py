@@ -8,12 +8,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from swiftdecode.apps.bench import runners
+from swiftdecode.apps.bench.follow_up import FOLLOW_UPS
 from swiftdecode.apps.bench.llama_server import METHODS as SERVER_METHODS
 from swiftdecode.apps.bench.methods import DEFAULT_METHODS, ENGINE_METHODS, METHODS, PEER_METHODS
 from swiftdecode.apps.bench.report import failure_lines, overall_table, sources_table, write_outputs
 from swiftdecode.apps.bench.stream import WARMUP_TEXTS, run_stream
 from swiftdecode.apps.bench.summary import env_info, summarize
-from swiftdecode.apps.data import Prompt, load_prompts
+from swiftdecode.apps.data import RECORDS, RECORDS_SCHEMA, Prompt, load_prompts
 from swiftdecode.apps.generate_cli import FLAGS, add_grammar_arguments, grammar_spec
 from swiftdecode.base.config import FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.base.errors import UserError
@@ -25,7 +26,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from swiftdecode.apps.pull_cli import add_model_argument
 
     add_model_argument(parser)
-    parser.add_argument("--data", required=True, help="Spec-Bench JSONL, text file (one prompt a line) or 'humaneval'")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="Spec-Bench JSONL, text file (one prompt a line), 'humaneval', 'code-edit' (HumanEval functions to edit) "
+        "or 'json-records' (people to list as JSON, answered under its schema unless a grammar is given)",
+    )
+    parser.add_argument(
+        "--follow-up",
+        choices=sorted(FOLLOW_UPS),
+        help="time a second turn instead: the model's own first answer (plain decoding, untimed), then a request to "
+        "restate or revise it (chat template only)",
+    )
     parser.add_argument("--categories", help="comma-separated categories ('mt-bench' = its 8 sub-categories)")
     parser.add_argument("--limit", type=int, help="at most N prompts per category (evenly spaced in file order)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from: {', '.join(METHODS)}")
@@ -93,7 +105,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
         raise UserError("--concurrency must be >= 0, --max-batch and --pairs >= 1")
     if args.temperature > 0 and (peer := next((m for m in methods if m in PEER_METHODS), None)):
         raise UserError(f"{peer} runs greedy in this bench: compare it at --temperature 0")
-    args.grammar = grammar_spec(args)
+    args.grammar = grammar_spec(args) or ({"json_schema": RECORDS_SCHEMA} if args.data == RECORDS else None)
     if args.grammar and (other := next((m for m in methods if m not in ENGINE_METHODS), None)):
         raise UserError(
             f"{other} takes no grammar in this bench: --json-schema/--regex/--lark run our engine's methods"
@@ -123,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok, fast_path = runners.load_target(args)
     chat = runners.use_chat(tok, args.chat)
     ids = [runners.encode(tok, p.text, chat) for p in prompts]
+    if args.follow_up:
+        prompts, ids = follow_ups(model, tok, prompts, args, chat)
     if args.concurrency:
         return run_concurrency(model, tok, methods, ids, args, out)
     switch = runners.PathSwitch(model, fast_path["path"], args)
@@ -144,6 +158,17 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + "\n".join(failure_lines(results)))
         print(f"\nwrote {out}/results.json, results.md, speedup_by_category.png, prompt_stream.png")
     return 0
+
+
+def follow_ups(model, tok, prompts: list[Prompt], args: argparse.Namespace, chat: bool):
+    """(the prompts in categories named for the follow-up, their conversations' ids): see `follow_up`."""
+    from swiftdecode.apps.bench.follow_up import conversations
+    from swiftdecode.engine.generator import Generator
+
+    if not chat:
+        raise UserError("--follow-up needs the chat template (--chat)")
+    ids = conversations(Generator(model, tok, method="ar"), prompts, args.follow_up, args.max_new_tokens)
+    return [Prompt(p.id, f"{p.category}/{args.follow_up}", p.text) for p in prompts], ids
 
 
 def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:

@@ -16,8 +16,9 @@ METHODS = {
     "swift": "our engine, best configuration",
     "swift-paper": "our engine in SWIFT's published configuration",
     "uniform": "static every-other-layer skip draft, no search",
-    "ngram": "ablation: our engine, n-gram branch only (no layer-skip draft)",
-    "skip-only": "ablation: our engine, layer-skip draft only (no n-gram branch)",
+    "suffix": "ablation: our engine, suffix copies only (context and pool; no layer-skip draft)",
+    "ngram": "ablation: our engine, 2-3 token n-gram copies only (no layer-skip draft)",
+    "skip-only": "ablation: our engine, layer-skip draft only (no copies)",
     "pld": "HF prompt lookup decoding (10 tokens)",
     "early-exit": "HF assisted generation, early exit at L/2",
     "draft-model": "HF assisted generation with --draft-model",
@@ -29,9 +30,9 @@ METHODS = {
         for t in SPEC_TYPES
     },
 }
-ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform", "ngram", "skip-only")
+ENGINE_METHODS = ("ar", "swift", "swift-paper", "uniform", "suffix", "ngram", "skip-only")
 PEER_METHODS = tuple(m for m in METHODS if m.startswith("llama"))
-DEFAULT_METHODS = "hf,ar,swift,ngram,skip-only,swift-paper,uniform,pld,early-exit"
+DEFAULT_METHODS = "hf,ar,swift,suffix,ngram,skip-only,swift-paper,uniform,pld,early-exit"
 
 
 @dataclass

@@ -51,18 +51,17 @@ def overall_table(results: dict) -> str:
 
 def sources_table(results: dict) -> str:
     """Per engine method: rounds of each kind (and their share of round time), accepted tokens by drafter."""
-    rows = [
-        "| method | draft rounds | ngram rounds | plain rounds | accepted from skip | from ngram | from both |",
-        "|" + "---|" * 7,
-    ]
+    kinds_shown, sources_shown = ("draft", "suffix", "ngram", "plain"), ("skip", "suffix", "ngram", "both")
+    head = [f"{k} rounds" for k in kinds_shown] + [f"accepted from {s}" for s in sources_shown]
+    rows = ["| method | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
     for m, res in results["methods"].items():
         o = res["overall"]
         if o.get("round_kinds") is None:
             continue
         kinds, secs, acc = o["round_kinds"], o["round_seconds"], o["accepted_by_source"]
         spent = sum(secs.values()) or 1.0
-        cells = [f"{kinds[k]} ({secs[k] / spent:.0%} of time)" for k in ("draft", "ngram", "plain")]
-        rows.append(f"| {m} | " + " | ".join(cells + [str(acc[k]) for k in ("skip", "ngram", "both")]) + " |")
+        cells = [f"{kinds.get(k, 0)} ({secs.get(k, 0.0) / spent:.0%} of time)" for k in kinds_shown]
+        rows.append(f"| {m} | " + " | ".join(cells + [str(acc.get(k, 0)) for k in sources_shown]) + " |")
     return "\n".join(rows)
 
 

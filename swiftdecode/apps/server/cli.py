@@ -6,9 +6,10 @@ import argparse
 import os
 import socket
 import sys
+from dataclasses import replace
 
 from swiftdecode.apps.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S
-from swiftdecode.base.config import FAST_PATH_HELP, PREFIX_CACHE_GB
+from swiftdecode.base.config import COPY_POOL_TOKENS, FAST_PATH_HELP, PREFIX_CACHE_GB, preset
 from swiftdecode.base.errors import UserError
 
 GRACE_S = 5  # on shutdown, in-flight requests get this long before they are cancelled
@@ -49,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"earlier chat turns) skip their prefill, exactly; 0 = off (default: {PREFIX_CACHE_GB:g})",
     )
     parser.add_argument(
+        "--copy-pool",
+        type=int,
+        default=COPY_POOL_TOKENS,
+        help="tokens of finished requests (per API key and cache_salt) the suffix drafter may copy from; drafts "
+        f"never change an answer, only its speed; 0 = off (default: {COPY_POOL_TOKENS})",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
@@ -84,6 +92,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-kv-gb must be > 0, got {args.max_kv_gb}")
     if not args.prefix_cache_gb >= 0:
         raise UserError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if args.copy_pool < 0:
+        raise UserError(f"--copy-pool must be >= 0, got {args.copy_pool}")
     if args.max_connections < 1:
         raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not all(api_keys(args) or ()) or args.metrics_key == "":
@@ -121,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
-    gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=args.prefix_cache_gb)
-    if args.prefix_cache_gb > 0 and not gen.prefix_cache()[1]:
+    config = replace(preset(args.method), copy_pool=args.copy_pool) if args.method != "ar" else None
+    gen = swiftdecode.Generator(model, tokenizer, args.method, config, prefix_cache_gb=args.prefix_cache_gb)
+    if args.prefix_cache_gb > 0 and not gen.memory()["prefix_budget"]:
         print("swiftdecode: no prefix cache on this model's forward path (needs the skinny kernels)", file=sys.stderr)
     app = create_app(
         gen,

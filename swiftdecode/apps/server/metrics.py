@@ -96,7 +96,7 @@ class Metrics:
             n = sum(self.finished.values())
             return self.gen_seconds / n if n else 1.0
 
-    def render(self, queued: int, running: int, kv_reserved: int, prefix_bytes: int, model: str, method: str) -> str:
+    def render(self, queued: int, running: int, kv_reserved: int, kept: dict[str, int], model: str, method: str) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         with self.lock:
             families = _traffic(self, model, method) + _decoding(self) + _latency(self)
@@ -104,7 +104,18 @@ class Metrics:
             ("queue_depth", "gauge", "Requests waiting in the queue.", [("", queued)]),
             ("requests_running", "gauge", "Requests being generated (decoding together).", [("", running)]),
             ("kv_reserved_bytes", "gauge", "KV cache bytes reserved by running requests.", [("", kv_reserved)]),
-            ("prefix_cache_bytes", "gauge", "KV cache bytes kept for prompts' shared prefixes.", [("", prefix_bytes)]),
+            (
+                "prefix_cache_bytes",
+                "gauge",
+                "KV cache bytes kept for prompts' shared prefixes.",
+                [("", kept["prefix_cache"])],
+            ),
+            (
+                "drafter_kept_bytes",
+                "gauge",
+                "Bytes drafters keep across requests (the suffix drafter's pool).",
+                [("", kept["drafters"])],
+            ),
         ]
         lines: list[str] = []
         for name, kind, help_, samples in families:

@@ -157,12 +157,12 @@ class Worker:
                 self.metrics.count("cancelled")
             self.cond.notify()
 
-    def depth(self) -> tuple[int, int, int, int]:
-        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved, bytes of the
-        prefix cache)."""
+    def depth(self) -> tuple[int, int, int, dict[str, int]]:
+        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved, the engine's
+        bytes kept across requests: `Generator.memory`)."""
         with self.cond:
             reserved = self.running.reserved.bytes
-            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.prefix_cache()[0]
+            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.memory()
 
     def close(self) -> None:
         self._stop(ApiError(503, "server shutting down"))
