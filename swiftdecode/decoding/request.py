@@ -3,6 +3,7 @@ text is streamed in pieces that never end inside a possible stop string or a mul
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -131,6 +132,7 @@ class Request:
         self.drafts: dict[str, object] = {}  # each drafter's state for this request, under its source name
         self.stats = GenerationStats(prompt_tokens=len(ids))  # output only: nothing reads it back to decide
         self.decode_s = 0.0  # seconds of its rounds, drafting and verifying, alone or batched (`round.account`)
+        self.since_copy = math.inf  # its rounds alone since the last that verified a copy (`Proposer.propose`)
         self.salt = salt  # the prefix cache's tenant: its entries serve only requests of the same salt
         self.start = time.perf_counter()
 

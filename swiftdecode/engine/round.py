@@ -47,20 +47,19 @@ class Proposer:
         return None, 0, "plain"
 
     def propose(self, req: Request) -> tuple[str, Tree, int]:
-        """A request's round alone: its kind, tree and draft forwards. A copy where its tokens pay for their rows,
-        else the scheduler's pick among a plain step and the ready model drafters (the copy, whole, joins them)."""
+        """A request's round alone: its kind, tree and draft forwards. A copy where it pays, plain steps just after
+        one ran out (`EngineConfig.resync`), else the scheduler's pick (plain or a model drafter, the copy joining)."""
         tree, room, cfg = Tree(req.ctx[-1]), req.room, self.cfg
         if cfg is None or room <= 1:
             return "plain", tree, 0
         copy, pays, copier = self.copy(req, 1, min(cfg.draft.copy, room - 1), self.line)
-        kind = copier if pays > 0 else self.schedule.choose(self.ready())
+        kind = copier if pays > 0 else "plain" if req.since_copy < cfg.resync else self.schedule.choose(self.ready())
+        req.since_copy, whole = 0 if pays > 0 else req.since_copy + 1, kind != copier  # whole: the copy joins a draft
         if kind == "plain":
             return kind, tree, 0
-        steps = self.drafters[kind].grow(req, tree, room - 1, self.schedule.rate["plain"]) if kind != copier else 0
-        if kind == copier:
-            tree.add_chain(copy.tokens[:pays], pays, copier)
-        elif copy is not None:  # beside a draft, the whole copy fills what the tree's budget leaves
-            tree.add_chain(copy.tokens, cfg.draft.max_nodes, copier)
+        steps = self.drafters[kind].grow(req, tree, room - 1, self.schedule.rate["plain"]) if whole else 0
+        if copy is not None:
+            tree.add_chain(copy.tokens if whole else copy.tokens[:pays], cfg.draft.max_nodes if whole else pays, copier)
         return kind, tree, steps
 
     def observe(self, req: Request, kind: str, tree: Tree, tokens: list[int], seconds: float, verify_s: float) -> None:
