@@ -30,7 +30,7 @@ METHODS = ("swift", "swift-paper", "uniform", "suffix", "ngram", "skip-only", "a
 MODES = ("suffix", "ngram", "draft", "plain")
 # where accepted draft tokens came from (GenerationStats.accepted_by_source); "both": several drafters
 SOURCES = ("skip", "suffix", "ngram", "both")
-# The suffix drafter's pool of finished sequences, per tenant: 64k tokens (256 KB), searched in ~0.1 ms a round.
+# The suffix drafter's pool of finished sequences, per tenant: 64k tokens (256 KB), searched in 0.1-0.3 ms a round.
 COPY_POOL_TOKENS = 65536
 # After a copy round, the next 2 rounds that copy nothing are plain steps: the copy ran out where the answer departs
 # from the text it copies (an edit, a new name), and a token or two later it matches again, so a layer-skip draft

@@ -4,7 +4,8 @@ cache_salt or user), so that one tenant's text never drafts another's answer. Dr
 (every drafted token is verified), only how fast it comes.
 
 A salt's sequences are one blob of 4-byte tokens, each sequence followed by a separator no token equals, and are
-searched with `bytes.rfind` (C speed: ~0.1 ms for 64k tokens).
+searched with `bytes.rfind` (C speed: a longest-match search of 64k tokens took 0.1 ms without a match and
+0.3 ms with a 32-token one on the 2-vCPU Intel Xeon).
 """
 
 from __future__ import annotations

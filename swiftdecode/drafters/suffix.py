@@ -60,10 +60,10 @@ def longest_match(hay: bytes, tail: bytes, end: int) -> tuple[int, int]:
     """The longest suffix of `tail` (4-byte tokens, MIN_MATCH..len) occurring in hay[:end], by binary search (a
     suffix that occurs has all its shorter suffixes occurring): (the token index just after its latest occurrence,
     its length in tokens); (0, 0) if none."""
-    lo, hi, at = 0, len(tail) // 4, -1
-    if hi < MIN_MATCH or (first := latest(hay, tail[-4 * MIN_MATCH :], end)) < 0:
+    hi = len(tail) // 4
+    if hi < MIN_MATCH or (at := latest(hay, tail[-4 * MIN_MATCH :], end)) < 0:
         return 0, 0
-    lo, at = MIN_MATCH, first
+    lo = MIN_MATCH
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if (found := latest(hay, tail[-4 * mid :], end)) >= 0:
