@@ -15,7 +15,7 @@ MAX_MODULE, MAX_FUNCTION, MAX_CLASS = 400, 60, 150  # lines
 # sits with the apps); a module may import from its own layer and those below.
 LAYERS = ("base", "hub", "kernels", "runtime", "decoding", "drafters", "engine", "apps")
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
-APP_ONLY = ("argparse", "fastapi", "starlette", "uvicorn", "matplotlib")
+APP_ONLY = ("argparse", "fastapi", "starlette", "uvicorn", "matplotlib", "ray")
 
 
 def modules() -> dict[str, ast.Module]:

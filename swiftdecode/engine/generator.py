@@ -156,9 +156,6 @@ class Generator:
         drafted = sum(d.kept_bytes() for d in self.proposer.drafters.values())
         return {"prefix_cache": self._prefixes.bytes, "prefix_budget": self._prefixes.budget, "drafters": drafted}
 
-    def clear_prefix_cache(self) -> None:
-        self._prefixes.clear()
-
     @property
     def max_length(self) -> int:
         """The model's context length (tokens)."""

@@ -85,8 +85,3 @@ class PrefixStore:
     def _drop(self, key: int) -> None:
         self.bytes -= self.seqs.pop(key)[2]
         del self.salts[key]
-
-    def clear(self) -> None:
-        self.seqs.clear()
-        self.salts.clear()
-        self.bytes = 0

@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="in --concurrency mode, alternate the one-client and N-client replays this many times; the speedup "
         "reported is the median pair's (default: 1)",
     )
+    parser.add_argument(
+        "--ray",
+        help="in --concurrency mode, also replay through `serve --ray` on a local Ray cluster, once per "
+        "REPLICASxTHREADS given (comma-separated, e.g. 2x1,1x2; needs the cluster extra)",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
 
@@ -93,6 +98,17 @@ def parse_methods(text: str, draft_model: str | None) -> list[str]:
     return methods
 
 
+def ray_shapes(text: str) -> list[tuple[int, int]]:
+    """--ray's REPLICASxTHREADS list."""
+    try:
+        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise UserError(f"--ray takes REPLICASxTHREADS[,...] with both >= 1 (e.g. 2x1,1x2), got {text!r}")
+    return shapes
+
+
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]:
     """Everything that can be checked before loading a model."""
     methods = parse_methods(args.methods, args.draft_model)
@@ -103,6 +119,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[Prompt], Path]
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
     if args.concurrency < 0 or args.max_batch < 1 or args.pairs < 1:
         raise UserError("--concurrency must be >= 0, --max-batch and --pairs >= 1")
+    args.ray_shapes = ray_shapes(args.ray) if args.ray else []
+    if args.ray_shapes and not args.concurrency:
+        raise UserError("--ray goes with --concurrency")
     if args.temperature > 0 and (peer := next((m for m in methods if m in PEER_METHODS), None)):
         raise UserError(f"{peer} runs greedy in this bench: compare it at --temperature 0")
     args.grammar = grammar_spec(args) or ({"json_schema": RECORDS_SCHEMA} if args.data == RECORDS else None)
@@ -178,11 +197,20 @@ def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: 
     from swiftdecode.engine.generator import Generator
 
     method = next(m for m in methods if m in ENGINE_METHODS)
-    gen = Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)  # as `serve` runs
-    result = concurrency.run(gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, args.pairs)
+
+    def make_gen() -> Generator:  # as `serve` runs it
+        return Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)
+
+    result = concurrency.run(make_gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, args.pairs)
     result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
     peers = [m for m in methods if m in SERVER_METHODS]
     result["peers"] = runners.server_replays(peers, ids, args) if peers else {}
+    for replicas, threads in args.ray_shapes:
+        from swiftdecode.apps.bench import cluster
+
+        single = [a.get("text") for a in result["one_client"]["answers"]]
+        name = f"swiftdecode {method} on Ray, {replicas} x {threads} threads"
+        result["peers"][name] = cluster.run(args, method, ids, single, replicas, threads)
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if args.json else concurrency.table(result))

@@ -129,20 +129,27 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
 
 
-def run(gen, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int, pairs: int = 1) -> dict:
-    """One client, then `clients` at once, through one of our servers (see `replay_pairs`). Each replay starts
-    with an empty prefix cache, so only what its requests share (a chat template's system prompt) is reused, as
-    it would be live."""
+def run(make_gen: Callable, ids: list[list[int]], max_tokens: int, clients: int, max_batch: int, pairs: int = 1):
+    """One client, then `clients` at once, through one of our servers (see `replay_pairs`). Each replay has a
+    server of its own over a new Generator (`make_gen()`; the model stays loaded), as a Ray replay has fresh
+    replicas: nothing learned or kept by the other replay (prefix cache, copy pool, skip set, acceptance) is
+    reused, only what its own requests share (a chat template's system prompt), as it would be live."""
+    from contextlib import ExitStack
+
     from swiftdecode.apps.server import create_app
 
-    app = create_app(gen, MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
-    with serving(app) as url:
+    servers = [ExitStack()]
 
-        def fresh() -> str:  # the server is idle between replays
-            gen.clear_prefix_cache()
-            return url
+    def fresh() -> str:  # the previous server stops first: one worker thread decodes at a time
+        servers[0].close()
+        servers[0] = ExitStack()
+        app = create_app(make_gen(), MODEL_ID, max_queue=max(len(ids), 1), max_batch=max_batch)
+        return servers[0].enter_context(serving(app))
 
-        return {"max_batch": max_batch, **replay_pairs(url, fresh, ids, max_tokens, clients, pairs)}
+    try:
+        return {"max_batch": max_batch, **replay_pairs(fresh(), fresh, ids, max_tokens, clients, pairs)}
+    finally:
+        servers[0].close()
 
 
 def replay_pairs(url: str, fresh: Callable[[], str], ids: list[list[int]], max_tokens: int, clients: int, pairs: int):
@@ -162,6 +169,9 @@ def replay_pairs(url: str, fresh: Callable[[], str], ids: list[list[int]], max_t
 
 
 def _pair(solo: dict, together: dict) -> dict:
+    if not solo["completed"]:
+        statuses = sorted({a["status"] for a in solo["answers"]})
+        raise RuntimeError(f"no request of the one-client replay completed (HTTP statuses {statuses})")
     same = [
         a["status"] == 200 and a["text"] == b.get("text")
         for a, b in zip(together["answers"], solo["answers"], strict=True)
@@ -212,6 +222,11 @@ def table(result: dict) -> str:
                 f"{name}: aggregate {theirs:.2f} tok/s with {res['concurrent']['clients']} clients (ours "
                 f"{ours / theirs:.2f}x), one client {ours_1 / theirs_1:.2f}x (ours / theirs), its own speedup "
                 f"{res['speedup']:.2f}x, {res['identical_to_one_client']}/{res['concurrent']['requests']} answers "
-                "identical to its one-client answers (median pair)."
+                "identical to its one-client answers (median pair)"
+                + (
+                    f", {res['identical_to_single_server']} to our single server's."
+                    if "identical_to_single_server" in res
+                    else "."
+                )
             )
     return "\n".join(rows)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # in a thread but holds the interpreter lock, and 10 MiB of logit_bias entries took 1.0 s to parse.
 MIN_BODY, BODY_PER_TOKEN = 2**20, 32
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (else 408): a client trickling bytes holds a socket
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_GONE = 499  # nginx's status for a request the client abandoned (nobody is left to read it)
 KNOWN_PATHS = {
     "/health",
@@ -191,8 +192,11 @@ class Api:
             self.check_key(request, (self.limits.metrics_key,))
         else:
             self.authorize(request)
-        text = self.metrics.render(*self.worker.depth(), model=self.model_id, method=self.gen.method)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(self.metrics_text(), media_type=PROMETHEUS_TYPE)
+
+    def metrics_text(self) -> str:
+        """The metrics in Prometheus's text format."""
+        return self.metrics.render(*self.worker.depth(), model=self.model_id, method=self.gen.method)
 
     async def list_models(self, request: Request) -> dict:
         self.authorize(request)

@@ -73,6 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json (open)")
     parser.add_argument(
+        "--served-model-name", help="the model name clients send and responses carry (default: --model)"
+    )
+    parser.add_argument("--threads", type=int, help="torch and kernel threads per engine (default: torch's)")
+    cluster = parser.add_argument_group("on Ray Serve (pip install 'swiftdecode[cluster]')")
+    cluster.add_argument("--ray", action="store_true", help="serve on Ray Serve: replicas behind one ingress")
+    cluster.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: 1)")
+    cluster.add_argument(
+        "--max-replicas",
+        type=int,
+        help="with --ray: autoscale between --replicas and this many on queue depth (default: no autoscaling)",
+    )
+    cluster.add_argument(
+        "--ray-address", help="with --ray: the Ray cluster to join (default: $RAY_ADDRESS, else a local one)"
+    )
+    parser.add_argument(
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -94,6 +109,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     if args.copy_pool < 0:
         raise UserError(f"--copy-pool must be >= 0, got {args.copy_pool}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.replicas < 1 or (args.max_replicas is not None and args.max_replicas < args.replicas):
+        raise UserError("--replicas must be >= 1 and --max-replicas >= --replicas")
+    if not args.ray and (args.replicas != 1 or args.max_replicas is not None or args.ray_address):
+        raise UserError("--replicas, --max-replicas and --ray-address need --ray")
     if args.max_connections < 1:
         raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not all(api_keys(args) or ()) or args.metrics_key == "":
@@ -120,14 +141,14 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def engine(args: argparse.Namespace):
+    """The Generator `serve` runs: the model loaded on the fast path, the method's preset with the copy pool."""
     import swiftdecode
-    from swiftdecode.apps.server.app import create_app
 
-    check_args(args)
-    sock = listen(args.host, args.port)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
     )
@@ -135,18 +156,40 @@ def run(args: argparse.Namespace) -> int:
     gen = swiftdecode.Generator(model, tokenizer, args.method, config, prefix_cache_gb=args.prefix_cache_gb)
     if args.prefix_cache_gb > 0 and not gen.memory()["prefix_budget"]:
         print("swiftdecode: no prefix cache on this model's forward path (needs the skinny kernels)", file=sys.stderr)
-    app = create_app(
-        gen,
-        args.model,
-        max_queue=args.max_queue,
-        max_batch=args.max_batch,
-        timeout_s=args.request_timeout,
-        kv_gb=args.max_kv_gb,
-        api_key=api_keys(args),
-        metrics_key=args.metrics_key,
-        docs=args.docs,
-    )
-    print(f"swiftdecode: serving {args.model} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
+    return gen
+
+
+def model_id(args: argparse.Namespace) -> str:
+    """The name the API serves the model under."""
+    return args.served_model_name or args.model
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """`create_app`'s keyword arguments: the serving limits and access."""
+    return {
+        "max_queue": args.max_queue,
+        "max_batch": args.max_batch,
+        "timeout_s": args.request_timeout,
+        "kv_gb": args.max_kv_gb,
+        "api_key": api_keys(args),
+        "metrics_key": args.metrics_key,
+        "docs": args.docs,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    if args.ray:
+        from swiftdecode.apps.cluster.deploy import run as run_cluster
+
+        return run_cluster(args)
+    import uvicorn
+
+    from swiftdecode.apps.server.app import create_app
+
+    sock = listen(args.host, args.port)
+    app = create_app(engine(args), model_id(args), **app_options(args))
+    print(f"swiftdecode: serving {model_id(args)} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
     config = uvicorn.Config(
         app, log_level="info", timeout_graceful_shutdown=GRACE_S, limit_concurrency=args.max_connections
     )
