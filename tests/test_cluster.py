@@ -1,7 +1,7 @@
 """`swiftdecode serve --ray`: two one-thread replicas of SmolLM2 on a local Ray cluster, against the single server.
 
-Skipped where Ray Serve is not installed (the `cluster` extra; CI installs it). The failover test kills a replica
-and so runs last.
+The tests on a live cluster skip where Ray Serve is not installed (the `cluster` extra; CI installs it). The
+failover test kills a replica and so runs last.
 """
 
 from __future__ import annotations
@@ -69,7 +69,37 @@ def test_the_answered_text_begins_the_next_turns_routing_text():
     assert answered_text("k", {"prompt": [1]}, "b") is None
 
 
-ray = pytest.importorskip("ray", reason="Ray Serve is the cluster extra: pip install -e '.[cluster]'")
+def test_cluster_flags_are_checked_before_anything_starts(capsys):
+    from swiftdecode.apps.cli import main
+
+    for argv in (
+        ["--replicas", "2"],  # without --ray
+        ["--ray", "--replicas", "0"],
+        ["--ray", "--replicas", "2", "--max-replicas", "1"],
+        ["--ray", "--threads", "0"],
+    ):
+        assert main(["serve", "--model", MODEL, *argv]) == 2, argv
+        assert "Traceback" not in capsys.readouterr().err
+    base = ["bench", "--model", MODEL, "--data", "code-edit", "--methods", "swift"]
+    assert main([*base, "--ray", "2x1"]) == 2  # without --concurrency
+    assert main([*base, "--concurrency", "4", "--ray", "2x0"]) == 2
+    assert main([*base, "--concurrency", "4", "--ray", "two"]) == 2
+
+
+def test_replica_count_is_fixed_or_autoscaled_on_ongoing_requests():
+    import argparse
+
+    from swiftdecode.apps.cluster.deploy import replica_threads, scaling
+
+    fixed = argparse.Namespace(replicas=2, max_replicas=None, max_batch=8, threads=None)
+    assert scaling(fixed) == {"num_replicas": 2} and replica_threads(fixed) >= 1
+    auto = argparse.Namespace(replicas=1, max_replicas=4, max_batch=8, threads=3)
+    config = scaling(auto)["autoscaling_config"]
+    assert (config["min_replicas"], config["max_replicas"], config["target_ongoing_requests"]) == (1, 4, 8)
+    assert replica_threads(auto) == 3
+
+
+RAY_MISSING = "Ray Serve is the cluster extra: pip install -e '.[cluster]'"
 
 
 def free_port() -> int:
@@ -83,6 +113,7 @@ def cluster() -> Iterator[str]:
     """The base URL of `serve --ray --replicas 2 --threads 1` on a local Ray cluster of this machine's cores."""
     import argparse
 
+    ray = pytest.importorskip("ray", reason=RAY_MISSING)
     from ray import serve
 
     from swiftdecode.apps.cluster.deploy import start
@@ -187,6 +218,8 @@ def test_conversation_turns_land_on_the_replica_holding_their_prefix(cluster, so
 def test_a_replica_killed_mid_request_costs_no_answer(cluster, solo):
     """8 requests in flight (4 streamed) when a replica dies: the others retry and answer as the single server;
     a stream cut after it began ends with a replica_lost error, never with other text; none hangs."""
+    import ray
+
     expected = [complete(solo, p, tokens=64)["text"] for p in PROMPTS]
     replica = next(
         a

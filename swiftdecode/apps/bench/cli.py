@@ -76,11 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="in --concurrency mode, alternate the one-client and N-client replays this many times; the speedup "
         "reported is the median pair's (default: 1)",
     )
-    parser.add_argument(
-        "--ray",
-        help="in --concurrency mode, also replay through `serve --ray` on a local Ray cluster, once per "
-        "REPLICASxTHREADS given (comma-separated, e.g. 2x1,1x2; needs the cluster extra)",
-    )
+    ray_help = "in --concurrency mode, also replay through `serve --ray` (local Ray; the cluster extra) per shape"
+    parser.add_argument("--ray", metavar="RxT[,RxT]", help=f"{ray_help}: R replicas of T threads, e.g. 2x1,1x2")
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
 

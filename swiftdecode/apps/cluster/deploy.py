@@ -21,6 +21,9 @@ ROUTER = "swiftdecode.apps.cluster.router:AffinityRouter"
 # this share of it: a conversation's next turn (most of it seen before) stays, while new conversations that share
 # only a chat template's system prompt (a fifth to a third of a short first turn) are spread by load.
 AFFINITY_MATCH = 0.5
+# Characters of routed text the router's prefix tree keeps, all replicas together (Ray's default): ~100k tokens,
+# the order of what a few replicas' prefix caches hold (1 GB each by default: ~43k tokens of Qwen2.5-0.5B).
+TREE_CHARS = 400_000
 INGRESS_ONGOING = 4096  # requests the ingress holds at once: each replica bounds its own queue (429 beyond)
 GRACE_S = 5  # as the single server: in-flight requests get this long on shutdown
 
@@ -50,9 +53,16 @@ def application(args: argparse.Namespace):
     threads = replica_threads(args)
     router = RequestRouterConfig(
         request_router_class=ROUTER,
-        request_router_kwargs={"capacity": args.max_batch, "match_rate_threshold": AFFINITY_MATCH},
+        request_router_kwargs={
+            "capacity": args.max_batch,
+            "match_rate_threshold": AFFINITY_MATCH,
+            "do_eviction": True,  # the tree of routed texts is bounded: least recently used text goes first
+            "eviction_threshold_chars": TREE_CHARS,
+            "eviction_target_chars": TREE_CHARS * 9 // 10,
+        },
     )
-    board = serve.deployment(Board, ray_actor_options={"num_cpus": 0}).bind()
+    quiet = {"log_level": "WARNING"}  # its puts, every few seconds from each replica, are not worth a log line
+    board = serve.deployment(Board, ray_actor_options={"num_cpus": 0}, logging_config=quiet).bind()
     replicas = serve.deployment(Replica).options(
         ray_actor_options={"num_cpus": threads},
         max_ongoing_requests=args.max_batch + args.max_queue,

@@ -62,6 +62,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds a request may take from arrival, queue included; beyond -> 504 (default: {DEFAULT_TIMEOUT_S:g})",
     )
+    add_access_arguments(parser)
+    parser.add_argument(
+        "--served-model-name", help="the model name clients send and responses carry (default: --model)"
+    )
+    parser.add_argument("--threads", type=int, help="torch and kernel threads per engine (default: torch's)")
+    add_cluster_arguments(parser)
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections at most; beyond -> 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+
+
+def add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may call the API, /metrics and the docs pages."""
     parser.add_argument(
         "--api-key",
         action="append",
@@ -72,10 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-key", help="the key /metrics asks for instead of an API key (default: any API key; none = open)"
     )
     parser.add_argument("--docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json (open)")
-    parser.add_argument(
-        "--served-model-name", help="the model name clients send and responses carry (default: --model)"
-    )
-    parser.add_argument("--threads", type=int, help="torch and kernel threads per engine (default: torch's)")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--ray` and its replica flags (apps/cluster)."""
     cluster = parser.add_argument_group("on Ray Serve (pip install 'swiftdecode[cluster]')")
     cluster.add_argument("--ray", action="store_true", help="serve on Ray Serve: replicas behind one ingress")
     cluster.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: 1)")
@@ -86,12 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument(
         "--ray-address", help="with --ray: the Ray cluster to join (default: $RAY_ADDRESS, else a local one)"
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help=f"open connections at most; beyond -> 503 (default: {DEFAULT_MAX_CONNECTIONS})",
     )
 
 
