@@ -69,7 +69,9 @@ def test_the_answered_text_begins_the_next_turns_routing_text():
     assert answered_text("k", {"prompt": [1]}, "b") is None
 
 
-def test_cluster_flags_are_checked_before_anything_starts(capsys):
+def test_cluster_flags_are_checked_before_anything_starts(capsys, monkeypatch):
+    import sys
+
     from swiftdecode.apps.cli import main
 
     for argv in (
@@ -80,6 +82,10 @@ def test_cluster_flags_are_checked_before_anything_starts(capsys):
     ):
         assert main(["serve", "--model", MODEL, *argv]) == 2, argv
         assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as without the cluster extra
+    assert main(["serve", "--model", MODEL, "--ray", "--port", str(free_port())]) == 2
+    assert "pip install 'swiftdecode[cluster]'" in capsys.readouterr().err
+    monkeypatch.undo()
     base = ["bench", "--model", MODEL, "--data", "code-edit", "--methods", "swift"]
     assert main([*base, "--ray", "2x1"]) == 2  # without --concurrency
     assert main([*base, "--concurrency", "4", "--ray", "2x0"]) == 2
