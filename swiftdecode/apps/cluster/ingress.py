@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,7 +24,7 @@ from swiftdecode.apps.cluster.asgi import Call
 from swiftdecode.apps.cluster.board import merge
 from swiftdecode.apps.cluster.routing import routing_text
 from swiftdecode.apps.server import responses
-from swiftdecode.apps.server.app import BODY_TIMEOUT_S, PROMETHEUS_TYPE, error_response
+from swiftdecode.apps.server.app import BODY_TIMEOUT_S, PROMETHEUS_TYPE, error_response, read_body
 from swiftdecode.apps.server.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -36,21 +37,13 @@ DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}  # recom
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
 
-async def read_body(request: Request) -> bytes:
-    """The body, at most MAX_BODY bytes (413), arriving within BODY_TIMEOUT_S (408)."""
-
-    async def read() -> bytes:
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"request body exceeds {MAX_BODY} bytes")
-        return bytes(raw)
-
+def parse(authorization: str, body: bytes) -> tuple[Any, str]:
+    """The body as JSON (None where it is none: the replica answers that with its own 400) and its routing text."""
     try:
-        return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        parsed = None
+    return parsed, routing_text(authorization, parsed)
 
 
 def kept(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -71,12 +64,9 @@ class Ingress:
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
         try:
-            body = await read_body(request)
-            try:
-                parsed = json.loads(body) if body else None
-            except ValueError:
-                parsed = None  # the replica answers it with its own 400
-            route = routing_text(request.headers.get("authorization", ""), parsed)
+            body = await read_body(request, MAX_BODY, BODY_TIMEOUT_S)
+            auth = request.headers.get("authorization", "")
+            parsed, route = await asyncio.to_thread(parse, auth, body)  # off the event loop, as the server parses
             query = f"?{request.url.query}" if request.url.query else ""
             call = Call(request.method, request.url.path + query, tuple(request.headers.items()), body, route)
             if isinstance(parsed, dict) and parsed.get("stream") is True:

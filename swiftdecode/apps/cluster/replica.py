@@ -53,6 +53,7 @@ class Replica:
         context = serve.get_replica_context()
         self.id, self.tenant = context.replica_id.unique_id, context.replica_id.to_full_id_str()
         self.tree_namespace = f"serve::{context.app_name}::{context.deployment}"
+        self.tree = None  # the router's prefix tree actor, once found
         self.board = board
         self.pushing = asyncio.create_task(self.push_metrics())
 
@@ -64,7 +65,7 @@ class Replica:
                 status, headers = head_of(message, self.id)
             else:
                 body += message.get("body", b"")
-        self.learn(call, status, body, streamed=False)
+        await asyncio.to_thread(self.learn, call, status, body, False)
         return status, headers, bytes(body)
 
     async def stream(self, call: Call) -> AsyncIterator:
@@ -86,22 +87,25 @@ class Replica:
         yield (*head, first)
         async for part in coalesced(parts, STREAM_WINDOW_S):
             yield part
-        self.learn(call, head[0], sent, streamed=True)
+        await asyncio.to_thread(self.learn, call, head[0], bytes(sent), True)
 
     def learn(self, call: Call, status: int, body: bytes, streamed: bool) -> None:
-        """After an answer: tell the router's prefix tree that this replica's cache holds prompt and answer (see
-        routing.py), without waiting for it."""
+        """After an answer (in a thread: it parses JSON): tell the router's prefix tree that this replica's cache
+        holds prompt and answer (see routing.py), without waiting for the tree."""
         if status != 200 or call.path not in GENERATING or (answer := answer_of(body, streamed)) is None:
             return
-        try:
+        text = answered_text(dict(call.headers).get("authorization", ""), json.loads(call.body), answer)
+        if text is None:
+            return
+        if self.tree is None:
             import ray
 
-            request = json.loads(call.body)
-            if (text := answered_text(dict(call.headers).get("authorization", ""), request, answer)) is not None:
-                tree = ray.get_actor(TREE_ACTOR, namespace=self.tree_namespace)
-                tree.insert.remote(text, self.tenant, time.time())
-        except ValueError as e:  # no tree yet (no request routed by it): nothing to add to
-            log.debug("prefix tree not updated: %r", e)
+            try:
+                self.tree = ray.get_actor(TREE_ACTOR, namespace=self.tree_namespace)
+            except ValueError as e:  # no tree yet (no request routed by it): nothing to add to
+                log.debug("prefix tree not updated: %r", e)
+                return
+        self.tree.insert.remote(text, self.tenant, time.time())
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose generation worker stopped is replaced."""

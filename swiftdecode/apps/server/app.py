@@ -118,6 +118,23 @@ def tokens_route(api: "Api", call: Callable[[bytes], dict]) -> Callable:
     return route
 
 
+async def read_body(request: Request, max_body: int, timeout_s: float) -> bytes:
+    """A request's body: at most `max_body` bytes (413), arriving within `timeout_s` (408)."""
+
+    async def read() -> bytes:
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_body:
+                raise ApiError(413, f"request body exceeds {max_body} bytes")
+        return bytes(raw)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+
+
 # ---------------------------------------------------------------- errors and status counting
 
 
@@ -233,19 +250,7 @@ class Api:
 
     async def read_body(self, request: Request) -> bytes:
         """The request's body: at most `max_body` bytes (413), arriving within the body timeout (408)."""
-
-        async def read() -> bytes:
-            raw = bytearray()
-            async for part in request.stream():
-                raw += part
-                if len(raw) > self.max_body:
-                    raise ApiError(413, f"request body exceeds {self.max_body} bytes")
-            return bytes(raw)
-
-        try:
-            return await asyncio.wait_for(read(), self.limits.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
+        return await read_body(request, self.max_body, self.limits.body_timeout_s)
 
     async def complete(self, request: Request, chat: bool) -> Any:
         """/v1/completions and /v1/chat/completions: the whole response, or its stream of chunks. Each of the `n`
