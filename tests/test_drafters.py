@@ -8,7 +8,7 @@ from dataclasses import replace
 from swiftdecode import Generator
 from swiftdecode.base.config import SWIFT_DRAFT, EngineConfig
 from swiftdecode.drafters import registry
-from swiftdecode.drafters.base import Copy, Drafter
+from swiftdecode.drafters.base import Branch, Copy, Drafter
 from swiftdecode.engine.batch import Batch
 
 PROMPT = "Repeat this line twice, word for word: the quick brown fox jumps over the lazy dog near the river bank."
@@ -32,7 +32,7 @@ class PromptEcho(Drafter):
         at = max((i for i, t in enumerate(ids[:-1]) if t == last), default=None)
         if at is None or length <= 0:
             return None
-        return Copy(ids[at + 1 : at + 1 + length], lambda depth: 0.9**depth)
+        return Copy([Branch(ids[at + 1 : at + 1 + length], lambda depth: 0.9**depth)])
 
     def observe(self, req, tokens, kind, budget) -> None:
         self.seen["observe"] += 1

@@ -1,5 +1,6 @@
-"""How much of an n-gram copy a round verifies (rowcost): the cost line fitted from forwards, acceptance by depth
-scored against what was generated, and the rule that adds a copied token only while it raises tokens per second."""
+"""Which copied tokens a round verifies (rowcost): the cost line fitted from forwards, acceptance by depth scored
+against what was generated, and the rule that adds a copied token (a node of the candidates' tree) only while it
+raises tokens per second."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from swiftdecode.drafters.base import Branch
 from swiftdecode.drafters.ngram import FORCED, NgramDrafter, ngram_continuation
-from swiftdecode.drafters.rowcost import CostLine, DepthAcceptance, tokens_that_pay
+from swiftdecode.drafters.rowcost import CostLine, DepthAcceptance, nodes_that_pay
 
 
 def fitted(a: float, b: float, rows=(1, 2, 4, 8, 12, 16)) -> CostLine:
@@ -24,6 +26,13 @@ def profile(accepted: int, proposed: int, times: int = 300) -> DepthAcceptance:
     for _ in range(times):
         acc.record(proposed, accepted)
     return acc
+
+
+def tokens_that_pay(line: CostLine, accept, rows: int, cap: int) -> int:
+    """How many tokens of one candidate chain (as long as cap) the planner verifies."""
+    chains = nodes_that_pay(line, [Branch(list(range(100, 100 + cap)), accept)], rows, cap)
+    assert len(chains) <= 1
+    return len(chains[0]) if chains else 0
 
 
 def test_line_recovers_the_cost_of_a_row():
@@ -63,6 +72,23 @@ def test_copied_tokens_pay_while_they_raise_tokens_per_second():
     assert tokens_that_pay(cheap, coin.accept, 8, cap=1) == 1  # a cheap row still pays at that chance
 
 
+def test_a_candidate_beside_the_best_joins_the_tree_where_its_odds_pay():
+    """Nodes join by their chance of being generated: an alternative's tokens are verified once their odds beat
+    the rows they cost, beginnings shared with the best candidate count once, and `cap` bounds the nodes."""
+    steep = fitted(0.010, 0.0022)
+    best = profile(accepted=2, proposed=4)  # its first 2 tokens always generated, then never
+    likely, unlikely = profile(accepted=3, proposed=3), profile(accepted=0, proposed=3)
+    main, other = Branch([1, 2, 3, 4], best.accept), [5, 6, 7]
+    assert nodes_that_pay(steep, [main, Branch(other, likely.accept)], 1, cap=16) == [[1, 2], other]
+    assert nodes_that_pay(steep, [main, Branch(other, unlikely.accept)], 1, cap=16) == [[1, 2]]
+    assert nodes_that_pay(steep, [main, Branch(other, likely.accept)], 1, cap=3) == [[1, 2], [5]]
+    shared = Branch([1, 2, 8], likely.accept)  # shares the best's first two tokens: one more node, not three
+    assert nodes_that_pay(steep, [main, shared], 1, cap=3) == [[1, 2], [1, 2, 8]]
+    # an alternative's deeper node is worth no more than its parent, so the tree stays connected
+    rising = Branch([5, 6], lambda d: 0.01 if d == 1 else 0.99)
+    assert nodes_that_pay(steep, [main, rising], 1, cap=16) == [[1, 2]]
+
+
 def request(ctx: list[int], constraint=None) -> SimpleNamespace:
     """What the n-gram drafter reads of a Request."""
     return SimpleNamespace(ctx=ctx, drafts={}, sampler=SimpleNamespace(constraint=constraint))
@@ -82,7 +108,7 @@ def test_copies_are_scored_against_what_was_generated():
     assert pending == []
     acc = drafter.acceptance[3]
     assert acc.accept(1) > 0.5 > acc.accept(2) >= acc.accept(3)
-    assert copy.accept(1) == acc.accept(1)  # the proposal's odds are the table's
+    assert copy.branches[0].accept(1) == acc.accept(1)  # the proposal's odds are the table's
     assert drafter.copy(request([1, 2, 3, 4]), 3) is None  # no repeat: no copy
 
 

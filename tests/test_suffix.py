@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import random
 from array import array
+from types import SimpleNamespace
 
 import pytest
 from conftest import batched_and_solo
 
 from swiftdecode import Generator
 from swiftdecode.drafters.pool import CopyPool
-from swiftdecode.drafters.suffix import MAX_MATCH, MIN_MATCH, longest_match
+from swiftdecode.drafters.suffix import MAX_MATCH, MIN_MATCH, SuffixDrafter, longest_match
 
 CODE = """def running_max(values):
     best = None
@@ -106,3 +107,24 @@ def test_batched_suffix_copies_equal_solo_answers(smollm):
     reqs, solo = batched_and_solo(gen, mix, 64)
     assert [r.new for r in reqs] == solo and sum(r.stats.batched_rounds for r in reqs) > 0
     assert sum(r.stats.accepted_by_source["suffix"] for r in reqs) > 0
+
+
+def test_candidates_are_other_occurrences_continuations_longest_match_first():
+    """Beside the longest, latest match's continuation, other earlier occurrences' distinct continuations are
+    candidates (latest first, each keyed by its rank); a longer match in the tenant's pool leads."""
+    drafter = SuffixDrafter(None, SimpleNamespace(copy_pool=100))
+    ctx = [1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 9, 0, 1, 2, 3]
+    req = SimpleNamespace(ctx=ctx, salt=None)
+    assert drafter.continuations(req, 2) == [
+        ([4, 6], ("own", 3, 0)),
+        ([4, 5], ("own", 3, 1)),
+        ([7, 8], ("own", 3, 2)),
+    ]
+    assert [c for c, _ in drafter.continuations(req, 1)] == [[4], [7]]  # a repeated continuation is one candidate
+    drafter.pool.add([0, 1, 2, 3, 5, 5], salt=None)
+    assert drafter.continuations(req, 2)[:2] == [([5, 5], ("pool", 4, 0)), ([4, 6], ("own", 3, 1))]
+    drafter.pool.add([0, 1, 2, 3, 5, 5], salt="other")  # another tenant's text is never a candidate
+    mine = SimpleNamespace(ctx=ctx, salt="mine", drafts={}, sampler=SimpleNamespace(constraint=None))
+    copy = drafter.copy(mine, 2)
+    assert [b.tokens for b in copy.branches] == [[4, 6], [4, 5], [7, 8]]
+    assert copy.branches[0].accept(1) == 0.5 > copy.branches[1].accept(1)  # an alternative starts less trusted

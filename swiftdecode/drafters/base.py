@@ -3,9 +3,9 @@
 A round (`engine.round`) asks the drafters for a tree below the request's last token, verifies it in one full
 forward and keeps the accepted path (the models: llama.cpp's common/speculative, transformers' candidate
 generators, vLLM's proposers). Two kinds of drafter share the interface:
-- a copying drafter (`copies = True`) proposes a chain from text it has seen, without a forward (`copy`); its
-  acceptance odds by depth let the row-cost planner (`rowcost.tokens_that_pay`) decide how much of the chain a
-  forward should verify;
+- a copying drafter (`copies = True`) proposes candidate chains from text it has seen, without a forward
+  (`copy`); their acceptance odds by depth let the row-cost planner (`rowcost.nodes_that_pay`) decide which of
+  their tokens a forward should verify (a tree: shared beginnings once);
 - a model drafter grows a tree with forwards (`grow`); the scheduler runs its rounds where their measured
   tokens per second beat the others'.
 A new drafter is one module and one line in `registry.DRAFTERS`.
@@ -29,12 +29,24 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Copy:
-    """A copying drafter's proposal: a chain below the tree's root, and accept(d), the estimated chance that its
-    first d tokens (d >= 1) are the ones the model generates."""
+class Branch:
+    """A candidate chain below the tree's root, and accept(d), the estimated chance that its first d tokens
+    (d >= 1) are the ones the model generates."""
 
     tokens: list[int]
     accept: Callable[[int], float]
+
+
+@dataclass
+class Copy:
+    """A copying drafter's proposal: candidate chains, best first (at least one)."""
+
+    branches: list[Branch]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The best candidate's chain."""
+        return self.branches[0].tokens
 
 
 class Drafter:
@@ -65,7 +77,7 @@ class Drafter:
         """A new request's prompt, before its prefill."""
 
     def copy(self, req: Request, length: int) -> Copy | None:
-        """A copying drafter's chain of at most `length` tokens after req.ctx, or None."""
+        """A copying drafter's candidate chains of at most `length` tokens each after req.ctx, or None."""
         return None
 
     def grow(self, req: Request, tree: Tree, length: int, plain_s: float | None) -> int:

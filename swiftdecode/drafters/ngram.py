@@ -7,7 +7,7 @@ from __future__ import annotations
 from array import array
 
 from swiftdecode.decoding.request import Request
-from swiftdecode.drafters.base import Copy, Drafter
+from swiftdecode.drafters.base import Branch, Copy, Drafter
 from swiftdecode.drafters.rowcost import PRIOR_P, DepthAcceptance
 
 FORCED = 99  # the acceptance table's key for the tokens a grammar forces (a tool call's frame), beside n-gram orders
@@ -27,21 +27,27 @@ class NgramDrafter(Drafter):
 
     def copy(self, req: Request, length: int) -> Copy | None:
         """Score the request's pending copies its context now decides; then the tokens its grammar forces, else its
-        n-gram continuation, at most `length` tokens (None without either)."""
+        continuations, at most `length` tokens each (None without either)."""
         ctx, constraint, pending = req.ctx, req.sampler.constraint, req.drafts.setdefault(self.source, [])
         self.resolve(ctx, pending)
         forced = constraint.forced(length) if constraint is not None else []
-        copied, key = (forced, FORCED) if forced else self.continuation(req, length)
-        if not key:
-            return None
-        pending.append((len(ctx), copied, key))
-        if key not in self.acceptance:  # tokens a grammar forces are the only ones it allows: sure from the start
-            self.acceptance[key] = DepthAcceptance(1.0 if key == FORCED else PRIOR_P)
-        return Copy(copied, self.acceptance[key].accept)
+        found = [(forced, FORCED)] if forced else self.continuations(req, length)
+        for copied, key in found:
+            pending.append((len(ctx), copied, key))
+            if key not in self.acceptance:
+                self.acceptance[key] = DepthAcceptance(self.prior(key))
+        return Copy([Branch(copied, self.acceptance[key].accept) for copied, key in found]) if found else None
 
-    def continuation(self, req: Request, length: int) -> tuple[list[int], object]:
-        """At most `length` tokens to copy after req.ctx and the key of their acceptance table (([], 0): none)."""
-        return ngram_continuation(req.ctx, length)
+    def prior(self, key: object) -> float:
+        """A new acceptance table's chance for the first copied token (tokens a grammar forces are the only ones
+        it allows: sure from the start)."""
+        return 1.0 if key == FORCED else PRIOR_P
+
+    def continuations(self, req: Request, length: int) -> list[tuple[list[int], object]]:
+        """Chains of at most `length` tokens to copy after req.ctx, best first, each with the key of its acceptance
+        table (none: [])."""
+        copied, n = ngram_continuation(req.ctx, length)
+        return [(copied, n)] if copied else []
 
     def resolve(self, ctx: list[int], pending: list) -> None:
         """Record each pending copy whose fate ctx tells (a mismatch, or all its tokens generated); keep the rest."""

@@ -1,4 +1,4 @@
-"""How much of a copied chain a round verifies (the row-cost planner): a forward's seconds as a line in its row
+"""Which copied tokens a round verifies (the row-cost planner): a forward's seconds as a line in its row
 count, measured on live rounds, against the chance that a copied token at each depth is accepted, which the
 copying drafter measures (`DepthAcceptance`: a copy is scored against the tokens actually generated whether or
 not it was verified, so no round has to be spent on copying to learn whether copying pays).
@@ -12,7 +12,7 @@ decoding together a forward already yields 8 tokens, so an extra row must be acc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from swiftdecode.drafters.base import Branch
 
 # The fit and the acceptance counts keep this much per observation (about the last 100): costs drift with the
 # context length, acceptance with the text.
@@ -63,15 +63,34 @@ class DepthAcceptance:
         return self.accepted[d] / self.proposed[d]
 
 
-def tokens_that_pay(line: CostLine, accept: Callable[[int], float], rows: int, cap: int) -> int:
-    """How many copied tokens (at most `cap`) to add to a forward of `rows` rows that yields `rows` tokens: while
-    the next one's acceptance chance p = accept(depth) raises tokens per second, (tokens + p) / (seconds + b) >
-    tokens / seconds, with seconds = a + b·rows. `cap` until the line exists (so the rows vary and it can form)."""
+def nodes_that_pay(line: CostLine, branches: list[Branch], rows: int, cap: int) -> list[list[int]]:
+    """The copied chains to verify (a beginning of each branch worth one, best first; none if nothing pays) in a
+    forward of `rows` rows that yields `rows` tokens. The branches form a tree (shared beginnings are one node);
+    a node's worth is p, the chance that it is generated (its branch's accept at its depth, no more than its
+    parent's), and nodes join in order of p while the next one raises tokens per second, (tokens + p) /
+    (seconds + b) > tokens / seconds with seconds = a + b·rows, at most `cap` of them. Until the line exists, the
+    first branch's first `cap` tokens (so that the rows vary and the line can form)."""
     fit = line.line()
     if fit is None or fit[1] <= 0 or fit[0] + fit[1] * rows <= 0:
-        return cap
+        return [branches[0].tokens[:cap]] if cap > 0 and branches[0].tokens else []
+    worth: dict[tuple[int, ...], float] = {}  # node (its tokens from the root) -> p
+    for branch in branches:
+        for d in range(1, min(len(branch.tokens), cap) + 1):
+            node = tuple(branch.tokens[:d])
+            p = min(branch.accept(d), worth[node[:-1]] if d > 1 else 1.0)
+            worth[node] = max(worth.get(node, 0.0), p)
     b = fit[1]
-    tokens, seconds, n = float(rows), fit[0] + b * rows, 0
-    while n < cap and accept(n + 1) * seconds > b * tokens:
-        n, tokens, seconds = n + 1, tokens + accept(n + 1), seconds + b
-    return n
+    tokens, seconds, chosen = float(rows), fit[0] + b * rows, set()
+    for node in sorted(worth, key=lambda n: (-worth[n], len(n))):  # a parent before its children
+        if len(chosen) == cap or worth[node] * seconds <= b * tokens:
+            break
+        chosen.add(node)
+        tokens, seconds = tokens + worth[node], seconds + b
+    chains = []
+    for branch in branches:
+        d = 0
+        while d < len(branch.tokens) and tuple(branch.tokens[: d + 1]) in chosen:
+            d += 1
+        if d and branch.tokens[:d] not in chains:
+            chains.append(branch.tokens[:d])
+    return chains

@@ -93,9 +93,10 @@ class Batch:
         trees, kinds = [], []
         for req in reqs:
             tree = Tree(req.ctx[-1])
-            copy, pays, kind = gen.proposer.copy(req, len(reqs), min(cap, req.room - 1), self.line)
-            if pays:
-                tree.add_chain(copy.tokens[:pays], pays, kind)
+            length = min(cap, req.room - 1)
+            pays, kind = gen.proposer.copy(req, len(reqs), length, self.line)[1:]
+            for chain in pays:
+                tree.add_chain(chain, length, kind)
             trees.append(tree)
             kinds.append(kind if pays else "plain")
         joiner = self.joining[0] if self.joining else None

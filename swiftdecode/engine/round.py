@@ -14,7 +14,7 @@ from swiftdecode.decoding.request import Request
 from swiftdecode.decoding.verification import verify
 from swiftdecode.drafters.base import Copy, Drafter
 from swiftdecode.drafters.registry import build
-from swiftdecode.drafters.rowcost import CostLine, tokens_that_pay
+from swiftdecode.drafters.rowcost import CostLine, nodes_that_pay
 from swiftdecode.engine.scheduler import RoundScheduler
 from swiftdecode.runtime.model import Part, SwiftModel
 from swiftdecode.runtime.tree import Tree
@@ -38,13 +38,13 @@ class Proposer:
         """The model drafters that can draft now."""
         return {kind for kind, d in self.drafters.items() if not d.copies and d.ready()}
 
-    def copy(self, req: Request, rows: int, length: int, line: CostLine) -> tuple[Copy | None, int, str]:
-        """The first copying drafter's chain of at most `length` tokens, how many of them pay in a forward of
-        `rows` rows by `line`, and that drafter's kind ((None, 0, "plain") where none copies)."""
+    def copy(self, req: Request, rows: int, length: int, line: CostLine) -> tuple[Copy | None, list[list[int]], str]:
+        """The first copying drafter's candidates, the chains of at most `length` nodes in all that pay in a forward
+        of `rows` rows by `line` ([] if none), and that drafter's kind ((None, [], "plain") where none copies)."""
         for kind, drafter in self.drafters.items():
             if drafter.copies and (copy := drafter.copy(req, length)) is not None:
-                return copy, tokens_that_pay(line, copy.accept, rows, len(copy.tokens)), kind
-        return None, 0, "plain"
+                return copy, nodes_that_pay(line, copy.branches, rows, length), kind
+        return None, [], "plain"
 
     def propose(self, req: Request) -> tuple[str, Tree, int]:
         """A request's round alone: its kind, tree and draft forwards. A copy where it pays, plain steps just after
@@ -52,14 +52,15 @@ class Proposer:
         tree, room, cfg = Tree(req.ctx[-1]), req.room, self.cfg
         if cfg is None or room <= 1:
             return "plain", tree, 0
-        copy, pays, copier = self.copy(req, 1, min(cfg.draft.copy, room - 1), self.line)
-        kind = copier if pays > 0 else "plain" if req.since_copy < cfg.resync else self.schedule.choose(self.ready())
-        req.since_copy, whole = 0 if pays > 0 else req.since_copy + 1, kind != copier  # whole: the copy joins a draft
+        length = min(cfg.draft.copy, room - 1)
+        copy, pays, copier = self.copy(req, 1, length, self.line)
+        kind = copier if pays else "plain" if req.since_copy < cfg.resync else self.schedule.choose(self.ready())
+        req.since_copy, whole = 0 if pays else req.since_copy + 1, kind != copier  # whole: the copy joins a draft
         if kind == "plain":
             return kind, tree, 0
         steps = self.drafters[kind].grow(req, tree, room - 1, self.schedule.rate["plain"]) if whole else 0
-        if copy is not None:
-            tree.add_chain(copy.tokens if whole else copy.tokens[:pays], cfg.draft.max_nodes if whole else pays, copier)
+        for chain in [copy.tokens] if whole and copy is not None else pays:
+            tree.add_chain(chain, cfg.draft.max_nodes if whole else length, copier)
         return kind, tree, steps
 
     def observe(self, req: Request, kind: str, tree: Tree, tokens: list[int], seconds: float, verify_s: float) -> None:

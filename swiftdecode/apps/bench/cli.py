@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--follow-up",
         choices=sorted(FOLLOW_UPS),
         help="time a second turn instead: the model's own first answer (plain decoding, untimed), then a request to "
-        "restate or revise it (chat template only)",
+        "restate or revise it (chat template only; our engine's methods find the first turn in their prefix cache)",
     )
     parser.add_argument("--categories", help="comma-separated categories ('mt-bench' = its 8 sub-categories)")
     parser.add_argument("--limit", type=int, help="at most N prompts per category (evenly spaced in file order)")
@@ -150,16 +150,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model, tok, fast_path = runners.load_target(args)
     chat = runners.use_chat(tok, args.chat)
-    ids = [runners.encode(tok, p.text, chat) for p in prompts]
+    ids, earlier = [runners.encode(tok, p.text, chat) for p in prompts], {}
     if args.follow_up:
-        prompts, ids = follow_ups(model, tok, prompts, args, chat)
+        prompts, ids, firsts = follow_ups(model, tok, prompts, args, chat)
+        earlier = {tuple(conversation): first for conversation, first in zip(ids, firsts, strict=True)}
     if args.concurrency:
         return run_concurrency(model, tok, methods, ids, args, out)
     switch = runners.PathSwitch(model, fast_path["path"], args)
     with ExitStack() as stack:  # the llama-server peers' processes, stopped however the run ends
         peers = runners.peer_runners(methods, tok, eos_ids(model, tok), args, stack)
         methods = [m for m in methods if m not in PEER_METHODS or m in peers]
-        by_method = {m: peers[m] if m in peers else runners.make_runner(m, model, tok, args, switch) for m in methods}
+        by_method = {
+            m: peers[m] if m in peers else runners.make_runner(m, model, tok, args, switch, earlier) for m in methods
+        }
         warm_ids = [runners.encode(tok, text, chat) for text in WARMUP_TEXTS]
         records, failures = run_stream(by_method, prompts, ids, args, warm_ids)
     results = summarize(records, methods, args, env_info(fast_path), tok, chat, failures)
@@ -177,14 +180,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def follow_ups(model, tok, prompts: list[Prompt], args: argparse.Namespace, chat: bool):
-    """(the prompts in categories named for the follow-up, their conversations' ids): see `follow_up`."""
+    """(the prompts in categories named for the follow-up, their conversations' ids, their first turns' ids): see
+    `follow_up`."""
     from swiftdecode.apps.bench.follow_up import conversations
     from swiftdecode.engine.generator import Generator
 
     if not chat:
         raise UserError("--follow-up needs the chat template (--chat)")
-    ids = conversations(Generator(model, tok, method="ar"), prompts, args.follow_up, args.max_new_tokens)
-    return [Prompt(p.id, f"{p.category}/{args.follow_up}", p.text) for p in prompts], ids
+    ids, firsts = conversations(Generator(model, tok, method="ar"), prompts, args.follow_up, args.max_new_tokens)
+    return [Prompt(p.id, f"{p.category}/{args.follow_up}", p.text) for p in prompts], ids, firsts
 
 
 def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:

@@ -18,6 +18,7 @@ from swiftdecode.apps.bench.methods import (
     peak_rss_mb,
     reset_peak_rss,
 )
+from swiftdecode.base.config import PREFIX_CACHE_GB
 from swiftdecode.base.errors import UserError
 from swiftdecode.base.text import eos_ids
 
@@ -153,9 +154,10 @@ def server_replays(methods: list[str], ids: list[list[int]], args: argparse.Name
     return out
 
 
-def make_runner(method: str, model, tok, args: argparse.Namespace, switch: PathSwitch) -> Runner:
-    run = engine_runner(method, model, tok, args) if method in ENGINE_METHODS else hf_runner(method, model, tok, args)
+def make_runner(method: str, model, tok, args: argparse.Namespace, switch: PathSwitch, earlier: dict) -> Runner:
+    """`earlier`: conversation ids -> its earlier turns, in our engine's prefix cache before it is timed."""
     hf = method not in ENGINE_METHODS
+    run = hf_runner(method, model, tok, args) if hf else engine_runner(method, model, tok, args, earlier)
 
     def call(ids: list[int], seed: int) -> Outcome:
         switch(hf)
@@ -164,13 +166,18 @@ def make_runner(method: str, model, tok, args: argparse.Namespace, switch: PathS
     return call
 
 
-def engine_runner(method: str, model, tok, args: argparse.Namespace) -> Runner:
-    """One Generator for the whole run, so search state carries across prompts as in a server."""
+def engine_runner(method: str, model, tok, args: argparse.Namespace, earlier: dict) -> Runner:
+    """One Generator for the whole run, so search state carries across prompts as in a server; with a prefix
+    cache where prompts have `earlier` turns (conversation ids -> those turns' ids), primed untimed."""
+    from swiftdecode.apps.bench.follow_up import prime
     from swiftdecode.engine.generator import Generator
 
-    gen, eos = Generator(model, tok, method=method), eos_ids(model, tok)
+    gen = Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB if earlier else 0.0)
+    eos = eos_ids(model, tok)
 
     def call(ids: list[int], seed: int) -> Outcome:
+        if (turns := earlier.get(tuple(ids))) is not None:
+            prime(gen, turns)
         reset_peak_rss()
         t0 = time.perf_counter()
         res = gen.generate(ids, params=args.params, seed=seed, grammar=args.grammar)
