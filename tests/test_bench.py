@@ -423,3 +423,18 @@ def test_a_method_failing_its_warm_up_is_left_out():
     )
     assert [r["method"] for r in records] == ["ar", "ar"]
     assert [(f["method"], f["prompt_id"]) for f in failures] == [("llama.cpp", "warm-up")]
+
+
+def test_follow_up_reads_the_second_turn_after_the_cached_first(tmp_path):
+    """--follow-up: our methods find the first turn (prompt and answer) in their prefix cache, answer as `ar`, and
+    prompt tok/s counts only the tokens they read."""
+    out = tmp_path / "out"
+    assert main(bench_argv(tmp_path, "ar,suffix", 12, "--follow-up", "restate", "--warmup", "0", "--json")) == 0
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    assert len(records) == 4 and all(r["identical"] for r in records)
+    assert all(0 < r["cached_prompt_tokens"] < r["prompt_tokens"] for r in records)
+    for m in ("ar", "suffix"):
+        mine = [r for r in records if r["method"] == m]
+        read = sum(r["prompt_tokens"] - r["cached_prompt_tokens"] for r in mine) / sum(r["prefill_s"] for r in mine)
+        assert results["methods"][m]["overall"]["prompt_tokens_per_s"] == pytest.approx(read)

@@ -50,6 +50,7 @@ class Outcome:
     round_kinds: dict[str, int] | None = None  # our engine only: see GenerationStats
     round_seconds: dict[str, float] | None = None
     accepted_by_source: dict[str, int] | None = None
+    cached_prompt_tokens: int = 0  # our engine: prompt tokens found in its prefix cache (not read)
 
 
 Runner = Callable[[list[int], int], Outcome]  # (prompt ids, seed) -> outcome

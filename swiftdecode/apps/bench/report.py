@@ -90,8 +90,9 @@ def markdown(results: dict) -> str:
         f"CPU {e['cpu']} ({e['cpu_count']} cores, {e['threads']} torch threads); torch {e['torch']}, "
         f"transformers {e['transformers']}; fast path `{fp['path']}` ({fp['reason']}).",
         f"HF methods run on {'the fast path' if s['hf_fast_path'] else 'stock torch'}. tokens/s: mean over "
-        "prompts of new tokens / wall s (prompt reading included); prompt tok/s: all prompt tokens / all seconds "
-        "to the first token (our engine; llama.cpp as it reports them); speedups: ratio of the tokens/s means. "
+        "prompts of new tokens / wall s (prompt reading included); prompt tok/s: all prompt tokens read (not "
+        "found in the prefix cache) / all seconds to the first token (our engine; llama.cpp as it reports them); "
+        "speedups: ratio of the tokens/s means. "
         "accepted/round (bonus token included) "
         "and acceptance are means over prompts; acceptance is accepted draft tokens per draft step for our "
         "engine, per proposed candidate token for HF assisted methods. Peak RSS: largest per-generation peak.",

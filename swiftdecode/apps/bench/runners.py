@@ -186,7 +186,7 @@ def engine_runner(method: str, model, tok, args: argparse.Namespace, earlier: di
         rounds = st["tree_rounds"] or None  # ar: no tree rounds, no acceptance
         acc = (st["mean_accepted_tokens"], st["acceptance_rate"]) if rounds else (None, None)
         opt = st["time_split"]["optimize"]
-        sources = {k: st[k] for k in ("round_kinds", "round_seconds", "accepted_by_source")}
+        sources = {k: st[k] for k in ("round_kinds", "round_seconds", "accepted_by_source", "cached_prompt_tokens")}
         ids, prefill = cut_at_eos(list(res.token_ids), eos), st["time_split"]["prefill"]
         return Outcome(ids, wall, prefill, rounds, *acc, opt, peak_rss_mb(), **sources)  # fields in order
 

@@ -61,6 +61,7 @@ def record(index: int, p: Prompt, method: str, prompt_tokens: int, o: Outcome) -
         "category": p.category,
         "method": method,
         "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": o.cached_prompt_tokens,
         "new_tokens": n,
         "wall_s": o.wall_s,
         "prefill_s": o.prefill_s,

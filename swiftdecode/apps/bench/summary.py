@@ -124,9 +124,10 @@ def aggregate(records: list[dict], method: str, keep: Callable[[dict], bool], re
 
 def prompt_rate(records: list[dict]) -> float | None:
     """Prompt tokens read per second of prompt reading, over the records that measured it (all their prompt
-    tokens over all their prefill seconds, as llama-bench's pp tokens/s)."""
+    tokens not found in a prefix cache over all their prefill seconds, as llama-bench's pp tokens/s)."""
     timed = [r for r in records if r["prefill_s"]]
-    return sum(r["prompt_tokens"] for r in timed) / sum(r["prefill_s"] for r in timed) if timed else None
+    read = sum(r["prompt_tokens"] - r.get("cached_prompt_tokens", 0) for r in timed)
+    return read / sum(r["prefill_s"] for r in timed) if timed else None
 
 
 def mean_tps(records: list[dict], method: str) -> float | None:
