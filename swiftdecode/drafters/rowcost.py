@@ -73,24 +73,30 @@ def nodes_that_pay(line: CostLine, branches: list[Branch], rows: int, cap: int) 
     fit = line.line()
     if fit is None or fit[1] <= 0 or fit[0] + fit[1] * rows <= 0:
         return [branches[0].tokens[:cap]] if cap > 0 and branches[0].tokens else []
-    worth: dict[tuple[int, ...], float] = {}  # node (its tokens from the root) -> p
+    worth, depth, node_of = [], [], {}  # nodes of the branches' tree; node_of: (parent node, token) -> node
+    paths = []  # each branch's nodes, root's child first
     for branch in branches:
-        for d in range(1, min(len(branch.tokens), cap) + 1):
-            node = tuple(branch.tokens[:d])
-            p = min(branch.accept(d), worth[node[:-1]] if d > 1 else 1.0)
-            worth[node] = max(worth.get(node, 0.0), p)
+        parent, path = -1, []
+        for d, token in enumerate(branch.tokens[:cap], 1):
+            p = min(branch.accept(d), worth[parent] if parent >= 0 else 1.0)
+            if (parent, token) not in node_of:
+                node_of[parent, token] = len(worth)
+                worth.append(0.0)
+                depth.append(d)
+            parent = node_of[parent, token]
+            worth[parent] = max(worth[parent], p)
+            path.append(parent)
+        paths.append(path)
     b = fit[1]
     tokens, seconds, chosen = float(rows), fit[0] + b * rows, set()
-    for node in sorted(worth, key=lambda n: (-worth[n], len(n))):  # a parent before its children
+    for node in sorted(range(len(worth)), key=lambda i: (-worth[i], depth[i])):  # a parent before its children
         if len(chosen) == cap or worth[node] * seconds <= b * tokens:
             break
         chosen.add(node)
         tokens, seconds = tokens + worth[node], seconds + b
     chains = []
-    for branch in branches:
-        d = 0
-        while d < len(branch.tokens) and tuple(branch.tokens[: d + 1]) in chosen:
-            d += 1
+    for branch, path in zip(branches, paths, strict=True):
+        d = next((i for i, node in enumerate(path) if node not in chosen), len(path))
         if d and branch.tokens[:d] not in chains:
             chains.append(branch.tokens[:d])
     return chains

@@ -126,7 +126,7 @@ def prompt_rate(records: list[dict]) -> float | None:
     """Prompt tokens read per second of prompt reading, over the records that measured it (all their prompt
     tokens not found in a prefix cache over all their prefill seconds, as llama-bench's pp tokens/s)."""
     timed = [r for r in records if r["prefill_s"]]
-    read = sum(r["prompt_tokens"] - r.get("cached_prompt_tokens", 0) for r in timed)
+    read = sum(r["prompt_tokens"] - r["cached_prompt_tokens"] for r in timed)
     return read / sum(r["prefill_s"] for r in timed) if timed else None
 
 
