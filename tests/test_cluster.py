@@ -105,6 +105,45 @@ def test_replica_count_is_fixed_or_autoscaled_on_ongoing_requests():
     assert replica_threads(auto) == 3
 
 
+def test_bench_alternates_each_ray_shape_with_the_single_server_round_by_round(monkeypatch):
+    """`bench --concurrency N --ray RxT --pairs P`: P rounds, each the single server's pair of replays, then each
+    shape's; a shape's aggregate is compared with the single server of its own round."""
+    import argparse
+
+    from swiftdecode.apps.bench import cluster
+    from swiftdecode.apps.bench.cli import ray_rounds
+
+    calls, rates = [], iter([(100.0, 90.0, 120.0), (50.0, 45.0, 70.0), (80.0, 80.0, 60.0)])
+
+    def replays(rate: float, answers: list[str]) -> dict:
+        replay = {"aggregate_tokens_per_s": rate, "requests": len(answers), "answers": [{"text": a} for a in answers]}
+        return {"one_client": replay, "concurrent": replay, "speedup": rate, "identical_to_one_client": 2}
+
+    def single(pairs: int) -> dict:
+        assert pairs == 1
+        calls.append("single")
+        round_rates = next(rates)
+        shape_rates[:] = round_rates[1:]
+        return {"pairs": [replays(round_rates[0], ["a", "b"])], **replays(round_rates[0], ["a", "b"])}
+
+    def shape_run(args, method, ids, answers, replicas, threads) -> dict:
+        calls.append(f"{replicas}x{threads}")
+        pair = replays(shape_rates.pop(0), ["a", "c"])
+        same = sum(a["text"] == s for a, s in zip(pair["concurrent"]["answers"], answers, strict=True))
+        return {"replicas": replicas, "threads": threads, "identical_to_single_server": same, "pairs": [pair], **pair}
+
+    shape_rates: list[float] = []
+    monkeypatch.setattr(cluster, "run", shape_run)
+    args = argparse.Namespace(pairs=3, ray_shapes=[(2, 1), (1, 2)])
+    ours, shapes = ray_rounds(single, "swift", [[1], [2]], args)
+    assert calls == ["single", "2x1", "1x2"] * 3
+    two, one = shapes["swiftdecode swift on Ray, 2 x 1 threads"], shapes["swiftdecode swift on Ray, 1 x 2 threads"]
+    assert two["against_single"] == pytest.approx([0.9, 0.9, 1.0]) and two["against_single_median"] == 0.9
+    assert one["against_single"] == pytest.approx([1.2, 1.4, 0.75]) and one["against_single_median"] == 1.2
+    assert two["identical_to_single_server"] == 3 and len(two["pairs"]) == 3 and two["speedup"] == 80.0
+    assert len(ours["pairs"]) == 3 and ours["speedup"] == 80.0  # the median pair
+
+
 RAY_MISSING = "Ray Serve is the cluster extra: pip install -e '.[cluster]'"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pairs",
         type=int,
         default=1,
-        help="in --concurrency mode, alternate the one-client and N-client replays this many times; the speedup "
-        "reported is the median pair's (default: 1)",
+        help="in --concurrency mode, alternate the one-client and N-client replays this many times (with --ray: "
+        "rounds of our single server's pair, then each shape's); the speedup reported is the median pair's "
+        "(default: 1)",
     )
     ray_help = "in --concurrency mode, also replay through `serve --ray` (local Ray; the cluster extra) per shape"
     parser.add_argument("--ray", metavar="RxT[,RxT]", help=f"{ray_help}: R replicas of T threads, e.g. 2x1,1x2")
@@ -179,6 +181,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def ray_rounds(single: Callable[[int], dict], method: str, ids: list[list[int]], args) -> tuple[dict, dict]:
+    """`--pairs` rounds, each a pair of our single server's replays (`single(1)`) then a pair through each Ray
+    shape (fresh replicas): the machine's speed drifts, so each shape is compared with the single server of its
+    own round (`against_single`: its N-client aggregate over the single server's, per round). Returns the single
+    server's result and {shape's name: its result}, each with every round's pair (concurrency.combined)."""
+    from swiftdecode.apps.bench import cluster, concurrency
+
+    ours, theirs = [], {shape: [] for shape in args.ray_shapes}
+    for _ in range(args.pairs):
+        ours.append(single(1))
+        answers = [a.get("text") for a in ours[-1]["one_client"]["answers"]]
+        for (replicas, threads), rounds in theirs.items():
+            rounds.append(cluster.run(args, method, ids, answers, replicas, threads))
+    shapes = {}
+    for (replicas, threads), rounds in theirs.items():
+        name = f"swiftdecode {method} on Ray, {replicas} x {threads} threads"
+        failed = next((r for r in rounds if "error" in r), None)
+        shapes[name] = failed or cluster.against(ours, rounds)
+    return concurrency.combined(ours), shapes
+
+
 def follow_ups(model, tok, prompts: list[Prompt], args: argparse.Namespace, chat: bool):
     """(the prompts in categories named for the follow-up, their conversations' ids, their first turns' ids): see
     `follow_up`."""
@@ -193,7 +216,8 @@ def follow_ups(model, tok, prompts: list[Prompt], args: argparse.Namespace, chat
 
 def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: argparse.Namespace, out: Path) -> int:
     """Our server with one engine method, then each llama-server peer asked for with `--concurrency` slots
-    (`-np N`), each replayed by one client and by N at once."""
+    (`-np N`), each replayed by one client and by N at once; with `--ray`, each shape's replays alternate with
+    our single server's, pair by pair (see `ray_rounds`)."""
     from swiftdecode.apps.bench import concurrency
     from swiftdecode.engine.generator import Generator
 
@@ -202,16 +226,13 @@ def run_concurrency(model, tok, methods: list[str], ids: list[list[int]], args: 
     def make_gen() -> Generator:  # as `serve` runs it
         return Generator(model, tok, method=method, prefix_cache_gb=PREFIX_CACHE_GB)
 
-    result = concurrency.run(make_gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, args.pairs)
+    def single(pairs: int) -> dict:
+        return concurrency.run(make_gen, ids, args.max_new_tokens, args.concurrency, args.max_batch, pairs)
+
+    result, shapes = ray_rounds(single, method, ids, args) if args.ray_shapes else (single(args.pairs), {})
     result.update(model=args.model, method=method, max_new_tokens=args.max_new_tokens, threads=args.threads)
     peers = [m for m in methods if m in SERVER_METHODS]
-    result["peers"] = runners.server_replays(peers, ids, args) if peers else {}
-    for replicas, threads in args.ray_shapes:
-        from swiftdecode.apps.bench import cluster
-
-        single = [a.get("text") for a in result["one_client"]["answers"]]
-        name = f"swiftdecode {method} on Ray, {replicas} x {threads} threads"
-        result["peers"][name] = cluster.run(args, method, ids, single, replicas, threads)
+    result["peers"] = {**(runners.server_replays(peers, ids, args) if peers else {}), **shapes}
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if args.json else concurrency.table(result))

@@ -30,8 +30,8 @@ def serve_args(args: argparse.Namespace, method: str, queue: int, replicas: int,
 
 def run(args, method: str, ids: list[list[int]], single: list[str | None], replicas: int, threads: int) -> dict:
     """One client, then `--concurrency` at once, through fresh replicas each time (redeployed: no prefix cache
-    or copy pool carried over from the other replay), `--pairs` times (see concurrency.replay_pairs);
-    `identical_to_single_server`: the median pair's concurrent answers equal to `single` (our single server's
+    or copy pool carried over from the other replay): one pair of a round (`cli.ray_rounds`);
+    `identical_to_single_server`: its concurrent answers equal to `single` (our single server's
     one-client answers). A failure is the result's `error`, as a peer's."""
     import ray
     from ray import serve
@@ -47,7 +47,7 @@ def run(args, method: str, ids: list[list[int]], single: list[str | None], repli
             serve.run(application(sargs), name=APP_NAME, route_prefix="/")
             return url
 
-        result = concurrency.replay_pairs(url, fresh, ids, args.max_new_tokens, args.concurrency, args.pairs)
+        result = concurrency.replay_pairs(url, fresh, ids, args.max_new_tokens, args.concurrency, 1)
     except Exception as e:  # reported in the table, as a peer's failure
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
@@ -56,3 +56,19 @@ def run(args, method: str, ids: list[list[int]], single: list[str | None], repli
             ray.shutdown()
     same = sum(a.get("text") == s for a, s in zip(result["concurrent"]["answers"], single, strict=True))
     return {"replicas": replicas, "threads": threads, "identical_to_single_server": same, **result}
+
+
+def against(single: list[dict], rounds: list[dict]) -> dict:
+    """A shape's rounds (`run` results, one pair each) beside the single server's of the same rounds, as one
+    result: `against_single` is each round's N-client aggregate over the single server's, `against_single_median`
+    their median; `identical_to_single_server` counts over every round's N-client answers."""
+    ratios = [
+        r["concurrent"]["aggregate_tokens_per_s"] / s["concurrent"]["aggregate_tokens_per_s"]
+        for s, r in zip(single, rounds, strict=True)
+    ]
+    return {
+        **concurrency.combined(rounds),
+        "identical_to_single_server": sum(r["identical_to_single_server"] for r in rounds),
+        "against_single": ratios,
+        "against_single_median": sorted(ratios)[(len(ratios) - 1) // 2],
+    }

@@ -164,6 +164,16 @@ def replay_pairs(url: str, fresh: Callable[[], str], ids: list[list[int]], max_t
         for _ in range(pairs):
             solo, together = (client.apply(replay, (fresh(), ids, max_tokens, n)) for n in (1, clients))
             runs.append(_pair(solo, together))
+    return _with_median(runs)
+
+
+def combined(results: list[dict]) -> dict:
+    """Replays of one server run apart (each a `replay_pairs` result, e.g. one per round) as one result: every
+    pair, and the median pair's replays and speedup on top."""
+    return {**results[0], **_with_median([p for r in results for p in r["pairs"]])}
+
+
+def _with_median(runs: list[dict]) -> dict:
     median = sorted(runs, key=lambda r: r["speedup"])[(len(runs) - 1) // 2]
     return {**median, "pairs": runs}
 
@@ -215,18 +225,30 @@ def table(result: dict) -> str:
         "the one-client answers."
     )
     for name, res in result.get("peers", {}).items():
-        if "error" not in res:
-            ours, theirs = (r["concurrent"]["aggregate_tokens_per_s"] for r in (result, res))
-            ours_1, theirs_1 = (r["one_client"]["aggregate_tokens_per_s"] for r in (result, res))
-            rows.append(
-                f"{name}: aggregate {theirs:.2f} tok/s with {res['concurrent']['clients']} clients (ours "
-                f"{ours / theirs:.2f}x), one client {ours_1 / theirs_1:.2f}x (ours / theirs), its own speedup "
-                f"{res['speedup']:.2f}x, {res['identical_to_one_client']}/{res['concurrent']['requests']} answers "
-                "identical to its one-client answers (median pair)"
-                + (
-                    f", {res['identical_to_single_server']} to our single server's."
-                    if "identical_to_single_server" in res
-                    else "."
-                )
-            )
+        if "error" in res:
+            continue
+        theirs, clients = res["concurrent"]["aggregate_tokens_per_s"], res["concurrent"]["clients"]
+        if "against_single" in res:  # a Ray shape: compared round by round, not median pair with median pair
+            head = f"{name}: aggregate {theirs:.2f} tok/s with {clients} clients (median pair)"
+            rows.append(head + _against_single(res))
+            continue
+        ours = result["concurrent"]["aggregate_tokens_per_s"]
+        ours_1, theirs_1 = (r["one_client"]["aggregate_tokens_per_s"] for r in (result, res))
+        rows.append(
+            f"{name}: aggregate {theirs:.2f} tok/s with {clients} clients (ours {ours / theirs:.2f}x), one client "
+            f"{ours_1 / theirs_1:.2f}x (ours / theirs), its own speedup {res['speedup']:.2f}x, "
+            f"{res['identical_to_one_client']}/{res['concurrent']['requests']} answers identical to its one-client "
+            "answers (median pair)."
+        )
     return "\n".join(rows)
+
+
+def _against_single(res: dict) -> str:
+    """A Ray shape's line's end: its N-client aggregate over our single server's, round by round."""
+    ratios = ", ".join(f"{r:.2f}x" for r in res["against_single"])
+    total = len(res["against_single"]) * res["concurrent"]["requests"]
+    return (
+        f", its own speedup {res['speedup']:.2f}x; its N-client aggregate over our single server's in the same "
+        f"round: {ratios} (median {res['against_single_median']:.2f}x); {res['identical_to_single_server']}/{total} "
+        "answers of its N-client replays identical to our single server's one-client answers."
+    )
