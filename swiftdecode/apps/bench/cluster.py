@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import statistics
 
 from swiftdecode.apps.bench import concurrency
 from swiftdecode.apps.bench.concurrency import MODEL_ID
@@ -70,5 +71,5 @@ def against(single: list[dict], rounds: list[dict]) -> dict:
         **concurrency.combined(rounds),
         "identical_to_single_server": sum(r["identical_to_single_server"] for r in rounds),
         "against_single": ratios,
-        "against_single_median": sorted(ratios)[(len(ratios) - 1) // 2],
+        "against_single_median": statistics.median_low(ratios),
     }
