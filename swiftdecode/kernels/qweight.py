@@ -16,13 +16,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 LANES = 16  # output rows per tile (csrc LANES)
 
-# GGUF type name -> (kernel format id, high-bit plane width, values per block)
+# GGUF type name -> (kernel format id, high-bit plane width (8: whole-byte codes, no high plane), values per block)
 FORMATS = {
     "Q4_0": (0, 0, 32),
     "Q4_1": (1, 0, 32),
     "Q5_0": (2, 1, 32),
     "Q5_1": (3, 1, 32),
-    "Q8_0": (4, 4, 32),
+    "Q8_0": (4, 8, 32),
     "Q4_K": (5, 0, 256),
     "Q5_K": (6, 1, 256),
     "Q6_K": (7, 2, 256),
@@ -104,10 +104,13 @@ def _nibble_plane(c: np.ndarray, t: int) -> np.ndarray:
     return np.ascontiguousarray((x[..., 0, :] | (x[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4))
 
 
+def _byte_plane(c: np.ndarray, t: int) -> np.ndarray:
+    """Codes [N, K] (< 256) -> [T, K/32, 8, 16, 4]: byte (g, j, t) = c[j, 4g+t]."""
+    return np.ascontiguousarray(_tile(c, t).reshape(t, LANES, -1, 8, 4).transpose(0, 2, 3, 1, 4))
+
+
 def _hi_plane(c: np.ndarray, t: int, hb: int) -> np.ndarray:
     """High bits [N, K] -> the kernel's hb-bit plane (see csrc/qgemm.cpp)."""
-    if hb == 4:
-        return _nibble_plane(c, t)
     if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t
         x = _tile(c, t).reshape(t, LANES, -1, 2, 4, 4).astype(np.uint8)
         v = sum(x[..., s, :] << (2 * s) for s in range(4)).astype(np.uint8)
@@ -127,9 +130,12 @@ def _planes(kind: str, blocks: np.ndarray, hb: int) -> dict[str, np.ndarray]:
     f = _decode(kind, blocks)
     t = -(-blocks.shape[0] // LANES)
     u = f.pop("u")
-    planes = {"lo": _nibble_plane(u & 15, t)}
-    if hb:
-        planes["hi"] = _hi_plane(u >> 4, t, hb)
+    if hb == 8:
+        planes = {"lo": _byte_plane(u, t)}
+    else:
+        planes = {"lo": _nibble_plane(u & 15, t)}
+        if hb:
+            planes["hi"] = _hi_plane(u >> 4, t, hb)
     for name, a in f.items():
         planes[name] = _scale_plane(a.view(np.uint16) if a.dtype == np.float16 else a, t)
     return planes

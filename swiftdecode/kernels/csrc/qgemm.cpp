@@ -15,9 +15,12 @@
 // Weight layout (written by swiftdecode/kernels/qweight.py from the GGUF blocks, same bits, rows interleaved):
 // rows in tiles of 16 lanes; per tile and 32-block, `lo` holds 4 loads of [16 lanes x 4 bytes]: load h, lane j,
 // byte t = u[j, 8h+t] & 15 | (u[j, 8h+4+t] & 15) << 4, so a 64-byte load yields the 4-value groups 2h and 2h+1
-// of every lane, ready for dpbusd against a broadcast dword of x. High bits: hb=4 (8-bit codes) another such
-// nibble plane; hb=2 2 loads whose byte t of lane j holds bits 4-5 of values 4g+t at bits 2(g%4) for g/4 = load;
-// hb=1 one load whose byte t holds bit 4 of value 4g+t at bit g. Scales per format (fp16 as stored in GGUF):
+// of every lane, ready for dpbusd against a broadcast dword of x. 8-bit codes (hb=8) instead take 8 loads of
+// whole bytes (load g, lane j, byte t = u[j, 4g+t]), which the AVX-512 build feeds to dpbusd as loaded (two
+// nibble planes cost 24 vector operations per block and tile: Qwen2.5-0.5B's Q8_0 output head, 4-8 rows,
+// 0.87-0.92x with bytes). High bits: hb=2 2 loads whose byte t of lane j holds bits 4-5 of values 4g+t at bits
+// 2(g%4) for g/4 = load; hb=1 one load whose byte t holds bit 4 of value 4g+t at bit g. Scales per format (fp16
+// as stored in GGUF):
 //   F_Q4_0, F_Q5_0, F_Q8_0  y = d (u - off)                      d [T, K/32, 16]
 //   F_Q4_1, F_Q5_1          y = d u + m                          d, m [T, K/32, 16]
 //   F_Q4_K, F_Q5_K          y = d sc u - dmin mn                 d, dmin [T, K/256, 16]; sc, mn u8 [T, K/32, 16]
@@ -50,7 +53,7 @@ struct QW {  // one quantized weight; plane pointers may be null when the format
 struct QX {  // quantized input rows
   const int8_t* q;      // [M, K]
   const float* d;       // [M, K/32]
-  const int32_t* s;     // [M, K/16] sums of q
+  const int32_t* noff16;  // [M, K/16] -32 * (sum of each 16 values' q): Q6_K's offset term per 16 values
   const float* ds;      // [M, K/32] d * (float)(sum of the block's q): the min terms' factor, formed once per row
   const int32_t* noff;  // [OFF_PLANES, M, K/32] -OFFSETS[i] * (sum of the block's q): an offset format's term
   int64_t K, M;
@@ -61,10 +64,16 @@ template <> struct Fmt<F_Q4_0> { enum { hb = 0, off = 8, kq = 0, mins = 0, sub16
 template <> struct Fmt<F_Q4_1> { enum { hb = 0, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
 template <> struct Fmt<F_Q5_0> { enum { hb = 1, off = 16, kq = 0, mins = 0, sub16 = 0 }; };
 template <> struct Fmt<F_Q5_1> { enum { hb = 1, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
-template <> struct Fmt<F_Q8_0> { enum { hb = 4, off = 128, kq = 0, mins = 0, sub16 = 0 }; };
+template <> struct Fmt<F_Q8_0> { enum { hb = 8, off = 128, kq = 0, mins = 0, sub16 = 0 }; };
 template <> struct Fmt<F_Q4_K> { enum { hb = 0, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
 template <> struct Fmt<F_Q5_K> { enum { hb = 1, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
 template <> struct Fmt<F_Q6_K> { enum { hb = 2, off = 32, kq = 1, mins = 0, sub16 = 1 }; };
+// The per-16 offset format's offset (Q6_K): -OFF16 * (sum of 16 values' q) is formed once per input row and
+// starts that half block's chain, instead of a broadcast, a multiply and a subtraction per row, block and tile
+// (with its high bits merged by one ternary-logic op each: Q6_K products of 8-16 rows 0.83-0.87x, weights in
+// cache, Zen 4).
+#define OFF16 32
+static_assert(Fmt<F_Q6_K>::off == OFF16, "Q6_K's offset is the per-16 term's");
 // The offsets of the whole-block offset formats (Q4_0, Q5_0, Q8_0). Their term -off * (sum of a block's q) is
 // formed once per input row and block and starts the dot product's chain, instead of a scalar multiply, a
 // broadcast and a subtraction per output tile (products of 8 rows 0.93x; whole forwards of 8 rows 0.96-1.00x,
@@ -77,7 +86,8 @@ template <int F> constexpr int off_plane() {  // F's plane of QX.noff, -1 if F h
   return -1;
 }
 
-static inline int hi_bytes(int hb) { return hb == 4 ? 4 * LOAD : hb == 2 ? 2 * LOAD : hb == 1 ? LOAD : 0; }
+static inline int lo_bytes(int hb) { return hb == 8 ? 8 * LOAD : 4 * LOAD; }
+static inline int hi_bytes(int hb) { return hb == 2 ? 2 * LOAD : hb == 1 ? LOAD : 0; }
 
 // ------------------------------------------------------------------ vector traits: W lanes of a 16-lane tile
 #if defined(SD_AVX512)
@@ -93,7 +103,6 @@ static inline vi set8(int v) { return _mm512_set1_epi8((char)v); }
 static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
-static inline vi subi(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm512_slli_epi32(a, n); }
 // acc += u8 x s8 products, 4 per lane, of codes u and the 4 int8 at p broadcast to every lane. The broadcast is
 // the instruction's memory operand ({1to16}), written in asm: GCC emits a vpbroadcastd of its own before each
@@ -146,7 +155,6 @@ static inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
 static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
-static inline vi subi(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm256_slli_epi32(a, n); }
 static inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf fzero() { return _mm256_setzero_ps(); }
@@ -200,32 +208,45 @@ static inline void store_codes(int8_t* q, const vi c[32 / W]) {  // low bytes: p
                             // on Qwen2.5-0.5B (AVX2 build 1.20x), 1.04x on SmolLM2 (8 prompts, one process)
 
 // Codes of one 32-block for W lanes starting at lane e: 8 vectors of 4-value groups (u[g], g = 0..7). For
-// 8-bit codes on AVX2 the high nibbles go to uh (dot products with codes above 63 could saturate there).
+// 8-bit codes on AVX2 the low nibbles go to u and the high ones to uh (dot products with codes above 63 could
+// saturate there).
 template <int F>
 __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, const uint8_t* hi, int e, vi u[8], vi uh[8]) {
   const vi m4 = set8(15);
+  if (Fmt<F>::hb == 8) {
+    for (int g = 0; g < 8; g++) {
+      vi v = ld(lo + g * LOAD + e * 4);
+#if defined(SD_AVX512)
+      u[g] = v;
+#else
+      u[g] = and_(v, m4);
+      uh[g] = and_(srl16(v, 4), m4);
+#endif
+    }
+    return;
+  }
   for (int h = 0; h < 4; h++) {
     vi v = ld(lo + h * LOAD + e * 4);
     u[2 * h] = and_(v, m4);
     u[2 * h + 1] = and_(srl16(v, 4), m4);
   }
-  if (Fmt<F>::hb == 4) {
-    for (int h = 0; h < 4; h++) {
-      vi v = ld(hi + h * LOAD + e * 4);
-#if defined(SD_AVX512)
-      u[2 * h] = or_(u[2 * h], sll16(and_(v, m4), 4));
-      u[2 * h + 1] = or_(u[2 * h + 1], and_(v, set8(0xF0)));
-#else
-      uh[2 * h] = and_(v, m4);
-      uh[2 * h + 1] = and_(srl16(v, 4), m4);
-#endif
+  if (Fmt<F>::hb == 2) {
+#if defined(SD_AVX512)  // bits 2s..2s+1 of each byte shifted to bits 4-5 and merged in one ternary-logic op
+    const vi m30 = set8(0x30);
+    for (int p = 0; p < 2; p++) {
+      vi v = ld(hi + p * LOAD + e * 4);
+      for (int s = 0; s < 4; s++) {
+        const vi t = s < 2 ? sll16(v, 4 - 2 * s) : s == 2 ? v : srl16(v, 2);  // 16-bit shifts: what crosses a
+        u[4 * p + s] = _mm512_ternarylogic_epi32(u[4 * p + s], t, m30, 0xF8);  // byte lands outside bits 4-5
+      }
     }
-  } else if (Fmt<F>::hb == 2) {
+#else
     const vi m2 = set8(3);
     for (int p = 0; p < 2; p++) {
       vi v = ld(hi + p * LOAD + e * 4);
       for (int s = 0; s < 4; s++) u[4 * p + s] = or_(u[4 * p + s], sll16(and_(srl16(v, 2 * s), m2), 4));
     }
+#endif
   } else if (Fmt<F>::hb == 1) {
     vi v = ld(hi + e * 4);
 #if defined(SD_AVX512)  // bit g of each byte -> +16 on group g's codes: a mask test and a masked add
@@ -238,21 +259,20 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
   (void)uh;
 }
 
-// Integer dot products of one input row's 32-block with the unpacked codes, s[0] starting from `init` (the
-// block's offset term, or zero): s[0] over values 0..15, s[1] over 16..31 (only Q6_K needs them apart;
-// otherwise s[0] holds the whole block).
+// Integer dot products of one input row's 32-block with the unpacked codes, each sum starting from its offset
+// term (or zero): s[0] over values 0..15 from init[0], s[1] over 16..31 from init[1] (only Q6_K needs them
+// apart; otherwise s[0] holds the whole block, from init[0]).
 #if defined(SD_AVX512)
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2],
-                                                           vi init) {
+                                                           const vi init[2]) {
   (void)uh;
-  if (Fmt<F>::sub16) {  // values 0..15 and 16..31 apart, each in two chains
-    vi p[4] = {izero(), izero(), izero(), izero()};
-    for (int g = 0; g < 8; g++) p[(g & 1) + 2 * (g >> 2)] = dot_bcast(p[(g & 1) + 2 * (g >> 2)], u[g], xq + 4 * g);
-    s[0] = addi(p[0], p[1]);
-    s[1] = addi(p[2], p[3]);
+  if (Fmt<F>::sub16) {  // values 0..15 and 16..31 apart, a chain each
+    s[0] = init[0];
+    s[1] = init[1];
+    for (int g = 0; g < 8; g++) s[g >> 2] = dot_bcast(s[g >> 2], u[g], xq + 4 * g);
   } else {  // two chains: the tile's other rows give the core parallel work
-    vi p[2] = {init, izero()};
+    vi p[2] = {init[0], izero()};
     for (int g = 0; g < 8; g++) p[g & 1] = dot_bcast(p[g & 1], u[g], xq + 4 * g);
     s[0] = addi(p[0], p[1]);
     s[1] = izero();
@@ -277,25 +297,25 @@ __attribute__((always_inline)) static inline vi chunk32(const vi u[8], const int
 }
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2],
-                                                           vi init) {
-  constexpr int C = Fmt<F>::hb == 1 ? 4 : Fmt<F>::hb == 2 ? 2 : 8;  // hb = 4: u and uh are nibbles
+                                                           const vi init[2]) {
+  constexpr int C = Fmt<F>::hb == 1 ? 4 : Fmt<F>::hb == 2 ? 2 : 8;  // hb = 8: u and uh are nibbles
   vi p[4];
   if constexpr (C == 8) {
     p[0] = chunk32<0, 8>(u, xq);
-    p[1] = init;
+    p[1] = init[0];
     p[2] = p[3] = izero();
   } else if constexpr (C == 4) {
     p[0] = chunk32<0, 4>(u, xq), p[2] = chunk32<4, 4>(u, xq);
-    p[1] = init;
+    p[1] = init[0];
     p[3] = izero();
   } else {
     p[0] = chunk32<0, 2>(u, xq), p[1] = chunk32<2, 2>(u, xq);
     p[2] = chunk32<4, 2>(u, xq), p[3] = chunk32<6, 2>(u, xq);
   }
-  if (Fmt<F>::hb == 4) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
+  if (Fmt<F>::hb == 8) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
   if (Fmt<F>::sub16) {
-    s[0] = addi(p[0], p[1]);
-    s[1] = addi(p[2], p[3]);
+    s[0] = addi(addi(p[0], p[1]), init[0]);
+    s[1] = addi(addi(p[2], p[3]), init[1]);
   } else {
     s[0] = addi(addi(p[0], p[1]), addi(p[2], p[3]));
     s[1] = izero();
@@ -308,18 +328,22 @@ template <int F>
 __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
                                                            const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
   const int64_t nb = x.K / 32;
-  vi s[2];
+  vi s[2], init[2] = {izero(), izero()};
   constexpr int plane = off_plane<F>();
-  const vi init = plane >= 0 ? seti(x.noff[(plane * x.M + m) * nb + blk]) : izero();
+  if (Fmt<F>::sub16) {  // Q6_K: each 16 values' offset term begins their chain
+    init[0] = seti(x.noff16[m * 2 * nb + 2 * blk]);
+    init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1]);
+  } else if (plane >= 0) {  // a whole-block offset term begins the block's chain
+    init[0] = seti(x.noff[(plane * x.M + m) * nb + blk]);
+  }
   block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
   const vf vdx = fset(x.d[m * nb + blk]);
-  if (Fmt<F>::sub16) {  // Q6_K: each 16 values' offset term from their sum of q
-    const int32_t* sx = x.s + m * 2 * nb + 2 * blk;
-    acc = ffma(fmul(a0, vdx), cvt(subi(s[0], seti(Fmt<F>::off * sx[0]))), acc);
-    acc = ffma(fmul(a1, vdx), cvt(subi(s[1], seti(Fmt<F>::off * sx[1]))), acc);
+  if (Fmt<F>::sub16) {
+    acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
+    acc = ffma(fmul(a1, vdx), cvt(s[1]), acc);
     return;
   }
-  acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);  // a whole-block offset term began s[0]'s chain (init)
+  acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
   if (Fmt<F>::mins) {
     const vf fsx = fset(x.ds[m * nb + blk]);  // d * (float)(the block's sum of q), a broadcast from memory
     acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
@@ -333,7 +357,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
                                                             int rows, vf* acc) {
   const int64_t nb = w.K / 32, tb = t * nb + blk;
   vi u[8], uh[8];
-  unpack<F>(w.lo + tb * 4 * LOAD, w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
+  unpack<F>(w.lo + tb * lo_bytes(Fmt<F>::hb), w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
   vf a0, a1, bm;
   if (Fmt<F>::kq) {
     const int64_t ts = t * (w.K / 256) + blk / 8;
@@ -365,7 +389,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
 template <int F, int R>
 static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t m0, int rows) {
   const int64_t nb = w.K / 32;
-  const int pf_lo = 4 * LOAD, pf_hi = hi_bytes(Fmt<F>::hb);
+  const int pf_lo = lo_bytes(Fmt<F>::hb), pf_hi = hi_bytes(Fmt<F>::hb);
   for (int e = 0; e < LANES; e += W) {
     const int64_t n0 = t * LANES + e;
     if (n0 >= w.N) break;
@@ -419,12 +443,12 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
   }
 }
 
-// Row m of x [M, K] fp32 -> q int8 [K], d [K/32], s [K/16], ds [K/32] (at row m of each), and its offset terms
-// noff [OFF_PLANES, M, K/32]. Lane-wise float operations only
+// Row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32] (at row m of each), and its offset
+// terms noff [OFF_PLANES, M, K/32]. Lane-wise float operations only
 // (|x| and max are exact, then one multiply and a round to nearest even per value), so every build returns the
 // same codes as the scalar definition: amax = max |x_i| (NaN values skipped), d = amax / 127,
-// q_i = (int8_t)nearbyint(x_i * (1 / d)), s = the sums of each 16 values' int32 codes.
-static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, float* ds, int32_t* noff, int64_t m,
+// q_i = (int8_t)nearbyint(x_i * (1 / d)), noff16 = -OFF16 * the sums of each 16 values' int32 codes.
+static void quantize_row(const float* x, int8_t* q, float* d, int32_t* noff16, float* ds, int32_t* noff, int64_t m,
                          int64_t M, int64_t K) {
   for (int64_t b = 0; b < K / 32; b++) {
     const float* xb = x + m * K + b * 32;
@@ -442,8 +466,8 @@ static void quantize_row(const float* x, int8_t* q, float* d, int32_t* s, float*
     d[m * (K / 32) + b] = db;
     ds[m * (K / 32) + b] = db * (float)(s0 + s1);
     for (int i = 0; i < OFF_PLANES; i++) noff[(i * M + m) * (K / 32) + b] = -OFFSETS[i] * (s0 + s1);
-    s[m * (K / 16) + 2 * b] = s0;
-    s[m * (K / 16) + 2 * b + 1] = s1;
+    noff16[m * (K / 16) + 2 * b] = -OFF16 * s0;
+    noff16[m * (K / 16) + 2 * b + 1] = -OFF16 * s1;
   }
 }
 
@@ -455,10 +479,10 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   const int64_t K = wds[0]->K;
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   std::unique_ptr<float[]> d(new float[M * K / 32]);
-  std::unique_ptr<int32_t[]> s(new int32_t[M * K / 16]);
+  std::unique_ptr<int32_t[]> noff16(new int32_t[M * K / 16]);
   std::unique_ptr<float[]> ds(new float[M * K / 32]);
   std::unique_ptr<int32_t[]> noff(new int32_t[OFF_PLANES * M * K / 32]);
-  const QX x = {q.get(), d.get(), s.get(), ds.get(), noff.get(), K, M};
+  const QX x = {q.get(), d.get(), noff16.get(), ds.get(), noff.get(), K, M};
   QW w[MAX_WEIGHTS];
   int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
   for (int i = 0; i < nw; i++) {
@@ -470,7 +494,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), s.get(), ds.get(), noff.get(), m, M, K);
+    for (int64_t m = 0; m < M; m++) quantize_row(xf, q.get(), d.get(), noff16.get(), ds.get(), noff.get(), m, M, K);
     const int me = omp_get_thread_num();
     for (int64_t b, e; split.next(me, &b, &e);)
       for (int64_t g = b, i = 0; g < e; g++) {
@@ -488,7 +512,7 @@ extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64
   const uint8_t *lo = wd->lo, *hi = wd->hi, *sc = wd->sc, *mn = wd->mn;
   const uint16_t *d = wd->d, *d2 = wd->d2;
   const int64_t K = wd->K;
-  static const int hbs[8] = {0, 0, 1, 1, 4, 0, 1, 2};
+  static const int hbs[8] = {0, 0, 1, 1, 8, 0, 1, 2};
   const int hb = hbs[fmt];
   const int64_t nb = K / 32;
   for (int64_t r = 0; r < nrows; r++) {
@@ -496,8 +520,8 @@ extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64
     for (int64_t k = 0; k < K; k++) {
       const int64_t blk = k / 32, tb = t * nb + blk;
       const int g = (int)(k % 32) / 4, tt = (int)(k % 4);
-      int u = (lo[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15;
-      if (hb == 4) u |= ((hi[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15) << 4;
+      int u = hb == 8 ? lo[tb * 8 * LOAD + g * LOAD + j * 4 + tt]
+                      : (lo[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15;
       if (hb == 2) u |= ((hi[tb * 2 * LOAD + (g / 4) * LOAD + j * 4 + tt] >> (2 * (g % 4))) & 3) << 4;
       if (hb == 1) u |= ((hi[tb * LOAD + j * 4 + tt] >> g) & 1) << 4;
       const int64_t ts = t * (K / 256) + blk / 8;
