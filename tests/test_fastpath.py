@@ -348,6 +348,10 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert all(r["compute_ms"][k] == pytest.approx(k * r["compute_ms"][1]) for k in KS)
     assert all(r["over_bound"][k] == pytest.approx(d["forward_ms"][k] / r["bound_ms"][k]) for k in KS)
     assert "roofline:" in format_report(d) and kernel.isa in r["instruction"]
+    assert 0 < r["step_gmacs"] and all(r["step_ms"][k] == pytest.approx(k * r["step_ms"][1]) for k in KS)
+    assert r["step_ms"][1] == pytest.approx(
+        r["macs_per_row"] / r["step_gmacs"] / 1e6
+    ) and "inner step" in format_report(d)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
@@ -362,6 +366,23 @@ def test_peak_rate_scales_with_the_rounds(isa):
         pytest.skip(f"no {isa} build here: {e}")
     a, b = q.peak_macs(1, reps=1 << 18), q.peak_macs(1, reps=1 << 19)
     assert 1e9 < a and 0.5 < a / b < 2.0
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_inner_step_rate_is_a_rate_below_the_peak(isa):
+    """The products' inner step (dot products and float scaling, codes unpacked) runs at a rate: twice the rounds
+    take about twice the time, for every format, and it never beats the bare instruction it is built on."""
+    from swiftdecode.kernels.qgemm import load_qkernel
+    from swiftdecode.kernels.qweight import FORMATS
+
+    try:
+        q = load_qkernel(isa)
+    except KernelUnavailable as e:
+        pytest.skip(f"no {isa} build here: {e}")
+    peak = q.peak_macs(1)
+    for fmt, _, _ in FORMATS.values():
+        a, b = q.loop_macs(fmt, 1, reps=1 << 11), q.loop_macs(fmt, 1, reps=1 << 12)
+        assert 1e9 < a < 1.1 * peak and 0.5 < a / b < 2.0, fmt
 
 
 @pytest.mark.parametrize("name", ["smollm", "qwen", "gemma"])

@@ -5,7 +5,9 @@ times full-model forwards of k = 1, 2, 4, 8, 16 new tokens after a prompt of --c
 own path and on the fast path side by side (interleaved repeats, medians), next to a memory copy bandwidth.
 On quantized weights it also draws the roofline: each k's time against max(weight bytes / bandwidth, the weight
 products' multiply-accumulates / the measured peak of the instruction the kernel uses), so anyone can see how far
-each k is from the machine's limit (attention and the float work between products are left out of the bound).
+each k is from the machine's limit (attention and the float work between products are left out of the bound),
+and the products' own ceiling: their MACs at the measured rate of the kernel's inner step alone (per format: the
+integer dot products and the float scaling each 32-block needs, codes unpacked, inputs in cache).
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ INSTRUCTION = {"avx512": "vpdpbusd zmm", "avx2": "vpmaddubsw ymm"}  # what csrc/
 def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
     """The bound of each k-row forward on quantized weights (None on float weights): memory ms (every weight
     byte once at the copy bandwidth), compute ms (k rows x the weight products' MACs at the instruction's peak),
-    their max, and the forward's time over it."""
+    their max, and the forward's time over it; and the inner step's ms (k rows x each format's MACs at its inner
+    step's measured rate: a floor for the products that no overlap of streaming and compute can beat)."""
     import torch
 
     from swiftdecode.kernels.modules import QuantLinear
@@ -110,6 +113,10 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
     kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
     peak = kernel.peak_macs(threads)
     macs = sum(m.qweight.n * m.qweight.k for m in lins.values())
+    by_fmt: dict[int, int] = {}
+    for m in lins.values():
+        by_fmt[m.qweight.fmt] = by_fmt.get(m.qweight.fmt, 0) + m.qweight.n * m.qweight.k
+    step_s = sum(n / kernel.loop_macs(fmt, threads) for fmt, n in by_fmt.items())  # seconds per row
     memory_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     compute_ms = {k: k * macs / peak * 1e3 for k in KS}
     bound = {k: max(memory_ms, compute_ms[k]) for k in KS}
@@ -122,6 +129,8 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
         "compute_ms": compute_ms,
         "bound_ms": bound,
         "over_bound": {k: forward_ms[k] / bound[k] for k in KS},
+        "step_gmacs": macs / step_s / 1e9,
+        "step_ms": {k: k * step_s * 1e3 for k in KS},
     }
 
 
@@ -247,6 +256,9 @@ def format_report(d: dict) -> str:
             + "".join(f"{r['bound_ms'][k]:8.1f}ms{'':6}" for k in KS)
             + f"   (memory: {r['memory_ms']:.1f} ms)",
             f"{'forward / bound':<16}" + "".join(f"{r['over_bound'][k]:15.2f}x" for k in KS),
+            f"{'inner step':<16}"
+            + "".join(f"{r['step_ms'][k]:8.1f}ms{'':6}" for k in KS)
+            + f"   (the products' inner step alone: {r['step_gmacs']:.0f} GMAC/s)",
         ]
     if d["threads"] == 1:
         lines += ["", "CPU time of the forward (1 thread: its own work, whatever else runs on the machine)"]

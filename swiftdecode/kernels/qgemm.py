@@ -28,6 +28,7 @@ ISA_CPU_FLAGS = {
 }
 MAX_WEIGHTS = 8  # csrc MAX_WEIGHTS: weights one linear_many call takes
 PEAK_REPS = 1 << 21  # rounds of 12 instructions per thread: ~10-20 ms a timing at 1-2 a cycle, past clock ramp-up
+LOOP_REPS = 1 << 14  # rounds of the inner step over 32 blocks x 8 rows: ~10-25 ms a timing
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -81,6 +82,9 @@ class QKernel:
             f.restype = None
         self._peak = getattr(self.lib, f"sd_peak_macs_{isa}")
         self._peak.argtypes, self._peak.restype = [_I, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_I)], ctypes.c_double
+        self._loop = getattr(self.lib, f"sd_loop_macs_{isa}")
+        self._loop.argtypes = [ctypes.c_int, _I, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+        self._loop.restype = ctypes.c_double
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N] fp32 (+ bias [N] fp32): row i depends on x's row i only, bit for bit."""
@@ -109,6 +113,13 @@ class QKernel:
         instruction alone (vpdpbusd zmm on avx512, vpmaddubsw ymm on avx2), best of `tries`."""
         sink = _I(0)
         return self._peak(reps, threads, tries, ctypes.byref(sink))
+
+    def loop_macs(self, fmt: int, threads: int, reps: int = LOOP_REPS, tries: int = 5) -> float:
+        """Multiply-accumulates per second of the products' inner step alone for weight format `fmt`: 8 rows'
+        integer dot products and float scaling of a 32-block, codes already unpacked, inputs in L1 (csrc
+        sd_loop_macs), best of `tries`: what many-row products could reach if unpacking and streaming were free."""
+        sink = ctypes.c_float(0.0)
+        return self._loop(fmt, reps, threads, tries, ctypes.byref(sink))
 
     def rows(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` [...] as fp32 [..., K], exactly as GGUF's reference dequantization gives them."""

@@ -504,6 +504,67 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   }
 }
 
+// The inner step alone, for `doctor`'s roofline: multiply-accumulates per second of `nthreads` threads running
+// row_block<F> (one 32-block's integer dot products and float scaling for LOOP_ROWS input rows, accumulators in
+// registers) over codes already unpacked and inputs in L1, best of `tries`. No unpacking, scale loading or
+// weight streaming: the rate the many-row products could reach if those cost nothing. `sink` receives a value
+// depending on every result, so the compiler keeps the loop.
+#define LOOP_ROWS 8
+#define LOOP_BLOCKS 32  // input rows of 1024 values: 8 KB of codes, in L1
+template <int F>
+static double loop_rate(int64_t reps, int seed, float* sink) {
+  constexpr int64_t K = LOOP_BLOCKS * 32, nb = LOOP_BLOCKS;
+  int8_t q[LOOP_ROWS * K];
+  float d[LOOP_ROWS * nb], ds[LOOP_ROWS * nb];
+  int32_t noff16[LOOP_ROWS * K / 16], noff[OFF_PLANES * LOOP_ROWS * nb];
+  for (int64_t i = 0; i < LOOP_ROWS * K; i++) q[i] = (int8_t)(i * 7 + seed);
+  for (int64_t i = 0; i < LOOP_ROWS * nb; i++) d[i] = ds[i] = 1e-3f * (float)(i + 1);
+  for (int64_t i = 0; i < LOOP_ROWS * K / 16; i++) noff16[i] = -(int32_t)i;
+  for (int64_t i = 0; i < OFF_PLANES * LOOP_ROWS * nb; i++) noff[i] = -(int32_t)i;
+  const QX x = {q, d, noff16, ds, noff, K, LOOP_ROWS};
+  vi u[8], uh[8];
+  for (int g = 0; g < 8; g++) u[g] = uh[g] = set8((seed + g) & 15);
+  const vf a0 = fset(0.5f), a1 = fset(0.25f), bm = fset(0.125f);
+  vf acc[LOOP_ROWS];
+  for (int i = 0; i < LOOP_ROWS; i++) acc[i] = fzero();
+  const double t0 = omp_get_wtime();
+  for (int64_t r = 0; r < reps; r++)
+    for (int64_t blk = 0; blk < nb; blk++) {
+      for (int g = 0; g < 8; g++) __asm__ volatile("" : "+v"(u[g]), "+v"(uh[g]));  // codes "change": no hoisting
+#pragma GCC unroll 8
+      for (int i = 0; i < LOOP_ROWS; i++) row_block<F>(x, blk, i, u, uh, a0, a1, bm, acc[i]);
+    }
+  const double dt = omp_get_wtime() - t0;
+  float out[W];
+  for (int i = 0; i < LOOP_ROWS; i++) {
+    fstore(out, acc[i], W);
+    *sink += out[0];
+  }
+  return (double)reps * nb * LOOP_ROWS * 32 * W / dt;
+}
+
+extern "C" double SD_EXPORT(sd_loop_macs, SD_ISA)(int fmt, int64_t reps, int nthreads, int tries, float* sink) {
+  double best = 0.0;
+  for (int t = 0; t < tries; t++) {
+    double total = 0.0;
+    float s = 0.0f;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, s)
+    switch (fmt) {
+      case F_Q4_0: total += loop_rate<F_Q4_0>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q4_1: total += loop_rate<F_Q4_1>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q5_0: total += loop_rate<F_Q5_0>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q5_1: total += loop_rate<F_Q5_1>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q8_0: total += loop_rate<F_Q8_0>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q4_K: total += loop_rate<F_Q4_K>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q5_K: total += loop_rate<F_Q5_K>(reps, omp_get_thread_num() + t, &s); break;
+      case F_Q6_K: total += loop_rate<F_Q6_K>(reps, omp_get_thread_num() + t, &s); break;
+    }
+    *sink += s;
+    if (total > best) best = total;
+  }
+  return best;
+}
+
 // The weight's values of rows `rows` -> out [nrows, K] fp32, computed as GGUF's reference dequantization does
 // (the float32 operations in the same order), for embedding lookups. Scalar: a handful of rows per call.
 extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64_t* rows, int64_t nrows,
