@@ -18,6 +18,7 @@ import platform
 import re
 import statistics
 import time
+from collections import Counter
 
 from swiftdecode.base.config import isa_of
 from swiftdecode.base.errors import UserError
@@ -112,10 +113,10 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
         return None
     kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
     peak = kernel.peak_macs(threads)
-    macs = sum(m.qweight.n * m.qweight.k for m in lins.values())
-    by_fmt: dict[int, int] = {}
+    by_fmt = Counter()  # weight format -> its products' MACs a row
     for m in lins.values():
-        by_fmt[m.qweight.fmt] = by_fmt.get(m.qweight.fmt, 0) + m.qweight.n * m.qweight.k
+        by_fmt[m.qweight.fmt] += m.qweight.n * m.qweight.k
+    macs = sum(by_fmt.values())
     step_s = sum(n / kernel.loop_macs(fmt, threads) for fmt, n in by_fmt.items())  # seconds per row
     memory_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     compute_ms = {k: k * macs / peak * 1e3 for k in KS}

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 
 #include "qgemm.h"
 #include "split.h"
@@ -85,6 +86,22 @@ template <int F> constexpr int off_plane() {  // F's plane of QX.noff, -1 if F h
   for (int i = 0; i < OFF_PLANES; i++)
     if (!Fmt<F>::sub16 && Fmt<F>::off == OFFSETS[i]) return i;
   return -1;
+}
+
+// fn(std::integral_constant<int, F>()) for the format id `fmt` (one switch for every entry point that needs
+// the format as a compile-time constant).
+template <class Fn>
+static inline void with_format(int fmt, Fn&& fn) {
+  switch (fmt) {
+    case F_Q4_0: fn(std::integral_constant<int, F_Q4_0>()); break;
+    case F_Q4_1: fn(std::integral_constant<int, F_Q4_1>()); break;
+    case F_Q5_0: fn(std::integral_constant<int, F_Q5_0>()); break;
+    case F_Q5_1: fn(std::integral_constant<int, F_Q5_1>()); break;
+    case F_Q8_0: fn(std::integral_constant<int, F_Q8_0>()); break;
+    case F_Q4_K: fn(std::integral_constant<int, F_Q4_K>()); break;
+    case F_Q5_K: fn(std::integral_constant<int, F_Q5_K>()); break;
+    case F_Q6_K: fn(std::integral_constant<int, F_Q6_K>()); break;
+  }
 }
 
 static inline int lo_bytes(int hb) { return hb == 8 ? 8 * LOAD : 4 * LOAD; }
@@ -432,16 +449,7 @@ static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y,
 }
 
 static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
-  switch (fmt) {
-    case F_Q4_0: tile_all_rows<F_Q4_0>(w, x, bias, y, t, M); break;
-    case F_Q4_1: tile_all_rows<F_Q4_1>(w, x, bias, y, t, M); break;
-    case F_Q5_0: tile_all_rows<F_Q5_0>(w, x, bias, y, t, M); break;
-    case F_Q5_1: tile_all_rows<F_Q5_1>(w, x, bias, y, t, M); break;
-    case F_Q8_0: tile_all_rows<F_Q8_0>(w, x, bias, y, t, M); break;
-    case F_Q4_K: tile_all_rows<F_Q4_K>(w, x, bias, y, t, M); break;
-    case F_Q5_K: tile_all_rows<F_Q5_K>(w, x, bias, y, t, M); break;
-    case F_Q6_K: tile_all_rows<F_Q6_K>(w, x, bias, y, t, M); break;
-  }
+  with_format(fmt, [&](auto f) { tile_all_rows<decltype(f)::value>(w, x, bias, y, t, M); });
 }
 
 // 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32] (at row m of
@@ -557,16 +565,7 @@ extern "C" double SD_EXPORT(sd_loop_macs, SD_ISA)(int fmt, int64_t reps, int nth
     double total = 0.0;
     float s = 0.0f;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total, s)
-    switch (fmt) {
-      case F_Q4_0: total += loop_rate<F_Q4_0>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q4_1: total += loop_rate<F_Q4_1>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q5_0: total += loop_rate<F_Q5_0>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q5_1: total += loop_rate<F_Q5_1>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q8_0: total += loop_rate<F_Q8_0>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q4_K: total += loop_rate<F_Q4_K>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q5_K: total += loop_rate<F_Q5_K>(reps, omp_get_thread_num() + t, &s); break;
-      case F_Q6_K: total += loop_rate<F_Q6_K>(reps, omp_get_thread_num() + t, &s); break;
-    }
+    with_format(fmt, [&](auto f) { total += loop_rate<decltype(f)::value>(reps, omp_get_thread_num() + t, &s); });
     *sink += s;
     if (total > best) best = total;
   }
@@ -581,8 +580,8 @@ extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64
   const uint8_t *lo = wd->lo, *hi = wd->hi, *sc = wd->sc, *mn = wd->mn;
   const uint16_t *d = wd->d, *d2 = wd->d2;
   const int64_t K = wd->K;
-  static const int hbs[8] = {0, 0, 1, 1, 8, 0, 1, 2};
-  const int hb = hbs[fmt];
+  int hb = 0;
+  with_format(fmt, [&](auto f) { hb = Fmt<decltype(f)::value>::hb; });
   const int64_t nb = K / 32;
   for (int64_t r = 0; r < nrows; r++) {
     const int64_t n = rows[r], t = n / LANES, j = n % LANES;
