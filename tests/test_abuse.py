@@ -22,7 +22,7 @@ from swiftdecode.apps.server import create_app
 from swiftdecode.apps.server.jobs import END
 
 MODEL = "smollm2-135m"
-KEY, OTHER_KEY = "sk-tenant-a", "sk-tenant-b"
+KEY, OTHER_KEY, METRICS_KEY = "sk-tenant-a", "sk-tenant-b", "sk-operator"
 HEALTH_S = 1.0  # /health must answer within this throughout
 STREAM = {"model": MODEL, "prompt": "Once upon a time, a robot named", "max_tokens": 48, "temperature": 0}
 
@@ -34,7 +34,8 @@ def gen(smollm):
 
 @pytest.fixture(scope="module")
 def url(gen) -> Iterator[str]:
-    with serving(create_app(gen, MODEL, api_key=[KEY, OTHER_KEY], body_timeout_s=1.0)) as base:
+    app = create_app(gen, MODEL, api_key=[KEY, OTHER_KEY], metrics_key=METRICS_KEY, body_timeout_s=1.0)
+    with serving(app) as base:
         yield base
 
 
@@ -59,7 +60,7 @@ def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:
     return err
 
 
-def metrics(url: str, key: str = KEY) -> dict[str, float]:
+def metrics(url: str, key: str = METRICS_KEY) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
     return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
 
@@ -279,6 +280,30 @@ def test_the_prefix_cache_is_shared_only_within_a_tenant(url):
     error_of(post(url, "/v1/chat/completions", {**chat, "cache_salt": "s" * 257}), 400)
 
 
+def test_the_copy_pool_is_shared_only_within_a_tenant(gen):
+    """The pool probe: after a tenant's answer, a caller asks the same question and reads how many of its tokens
+    came from copies (the suffix drafter copies from its own text and its tenant's pool). Within the key (the
+    control: the probe works) the earlier answer is copied; across keys nothing of it is, whatever `user` or
+    `cache_salt` the caller sends; the answers are the same. Responses carry no engine statistics unless the
+    server is asked to (`response_stats`)."""
+    body = {"model": MODEL, "prompt": "Describe a walk through an old forest.", "max_tokens": 40, "temperature": 0}
+
+    def copied(base: str, key: str, **extra) -> tuple[str, int, int]:
+        r = post(base, "/v1/completions", {**body, **extra}, key).json()
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return r["choices"][0]["text"], r["swiftdecode"]["accepted_by_source"]["suffix"], cached
+
+    with serving(create_app(gen, MODEL, api_key=[KEY, OTHER_KEY], response_stats=True)) as base:
+        secret = copied(base, KEY)[0]  # joins KEY's pool
+        across = [copied(base, OTHER_KEY, **extra) for extra in ({"user": "u"}, {"cache_salt": "s"}, {})]
+        within = copied(base, KEY)
+    assert all(text == secret for text, _, _ in [*across, within])
+    assert [cached for _, _, cached in across] == [0, 0, 0] and within[2] > 0
+    assert within[1] > 2 * max(n for _, n, _ in across) + 8, (within, across)
+    with serving(create_app(gen, MODEL, api_key=KEY)) as base:
+        assert "swiftdecode" not in post(base, "/v1/completions", body, KEY).json()
+
+
 # ---------------------------------------------------------------- 5. readers that never read, slow bodies
 
 
@@ -347,7 +372,11 @@ def test_a_logit_bias_flood_is_refused_beside_a_stream(url, solo):
 
 def test_metrics_and_docs_are_not_open(gen, url):
     assert httpx.get(f"{url}/metrics").status_code == 401
-    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OTHER_KEY}"}).status_code == 200
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OTHER_KEY}"}).status_code == 401
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).status_code == 200
+    with serving(create_app(gen, MODEL, api_key=[KEY, OTHER_KEY])) as base:  # several tenants: not without its key
+        r = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 403 and "--metrics-key" in r.json()["error"]["message"]
     for page in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(f"{url}{page}").status_code == 404
     with serving(create_app(gen, MODEL, api_key=KEY, metrics_key="sk-metrics", docs=True)) as base:

@@ -9,13 +9,14 @@ import pytest
 from swiftdecode.apps.cli import main
 from swiftdecode.runtime.fastpath import SPARSITY_LEVELS
 
+SMOL = "smollm2-135m"  # the smallest model (the default is larger): these tests check the CLI, not the model
 KEYS = {"text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "mean_accepted_tokens", "acceptance_rate"}
 
 
 def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in spec_bench[:2]) + "\n")
-    argv = ["generate", "--prompt-file", str(data), "--prompt", "Name a colour.", "--chat", "--json"]
+    argv = ["generate", "--model", SMOL, "--prompt-file", str(data), "--prompt", "Name a colour.", "--chat", "--json"]
     assert main([*argv, "--max-new-tokens", "12", "--method", "swift"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3
@@ -29,14 +30,17 @@ def test_generate_json_lines_for_a_prompt_file(tmp_path, capsys, spec_bench):
 
 
 def test_generate_json_logprobs(capsys):
-    assert main(["generate", "--prompt", "2 + 2 =", "--max-new-tokens", "5", "--json", "--logprobs", "2"]) == 0
+    assert (
+        main(["generate", "--model", SMOL, "--prompt", "2 + 2 =", "--max-new-tokens", "5", "--json", "--logprobs", "2"])
+        == 0
+    )
     rec = json.loads(capsys.readouterr().out)
     assert [e["token"] for e in rec["logprobs"]] == rec["token_ids"]
     assert all(len(e["top"]) == 2 and e["top"][0] == [e["token"], e["logprob"]] for e in rec["logprobs"])  # greedy
 
 
 def test_generate_logit_bias_and_repetition_penalty(capsys):
-    argv = ["generate", "--prompt", "1, 2, 3,", "--max-new-tokens", "6", "--json"]
+    argv = ["generate", "--model", SMOL, "--prompt", "1, 2, 3,", "--max-new-tokens", "6", "--json"]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)["token_ids"][0]
     assert main([*argv, "--logit-bias", f"{first}=-100", "--repetition-penalty", "1.1", "--min-p", "0.05"]) == 0
@@ -49,7 +53,7 @@ def test_generate_json_schema_from_a_file(tmp_path, capsys):
         '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'
     )
     ask = "Reply in JSON with a field n holding a number."
-    argv = ["generate", "--prompt", ask, "--max-new-tokens", "24", "--json-schema", str(schema)]
+    argv = ["generate", "--model", SMOL, "--prompt", ask, "--max-new-tokens", "24", "--json-schema", str(schema)]
     assert main([*argv, "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["finish_reason"] == "stop" and isinstance(json.loads(rec["text"])["n"], int)
@@ -83,7 +87,7 @@ def test_generate_json_schema_from_a_file(tmp_path, capsys):
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(capsys, args, msg):
-    assert main(["generate", *args]) == 2
+    assert main(["generate", "--model", SMOL, *args]) == 2  # a later --model wins
     err = capsys.readouterr().err.strip()
     last = err.splitlines()[-1]  # earlier lines can only be the model-loading progress bar
     assert last.startswith("swiftdecode generate: error:") and msg in last and "Traceback" not in err

@@ -153,6 +153,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_ray_stops_on_sigint_within_10_s_leaving_no_ray_process():
+    """Ctrl-C's signal stops `serve --ray` and the Ray it started, even where the shell started it with SIGINT
+    ignored (a background job); SIGTERM does the same (the soak's stop)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil", reason=RAY_MISSING)
+    pytest.importorskip("ray", reason=RAY_MISSING)
+    port = free_port()
+    argv = [sys.executable, "-m", "swiftdecode.apps.cli", "serve", "--model", MODEL, "--ray", "--threads", "1"]
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (as a shell's background job)
+    proc = subprocess.Popen([*argv, "--port", str(port)], preexec_fn=ignore, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving" in proc.stdout.readline()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children  # Ray's own processes
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 10
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, alive
+    finally:
+        proc.kill()
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """The base URL of `serve --ray --replicas 2 --threads 1` on a local Ray cluster of this machine's cores."""
@@ -220,6 +247,18 @@ def test_errors_and_keys_are_the_single_servers(cluster, solo):
         assert (ours.status_code, ours.json()) == (single.status_code, single.json())
         assert ours.status_code in (400, 401)
     assert httpx.get(f"{cluster}/v1/nowhere", headers=HEADERS).status_code == 404
+    # checked at the ingress as the single server checks: the key before the body, the replicas' body limit, and
+    # a completion's parameters (none of these reaches a replica)
+    big = b"x" * (2 * 2**20)
+    for headers, status in (({}, 401), (HEADERS, 413)):
+        ours, single = (
+            httpx.post(f"{u}/v1/completions", content=big, headers=headers, timeout=60) for u in (cluster, solo)
+        )
+        assert (ours.status_code, ours.json()) == (single.status_code, single.json()) and ours.status_code == status
+    bad = {"model": MODEL, "prompt": "x", "temperature": 9}
+    ours, single = (httpx.post(f"{u}/v1/completions", json=bad, headers=HEADERS, timeout=60) for u in (cluster, solo))
+    assert (ours.status_code, ours.json()) == (single.status_code, single.json()) and ours.status_code == 400
+    assert "x-swiftdecode-replica" not in ours.headers  # answered by the ingress
     assert httpx.get(f"{cluster}/v1/models", headers=HEADERS).json()["data"][0]["id"] == MODEL
 
 

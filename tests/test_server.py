@@ -607,3 +607,63 @@ def test_chat_turns_reuse_the_prefix_cache_and_answer_as_without_it(smollm, gen)
     assert cached[0] == 0 and cached[1] > 10
     assert m["swiftdecode_prompt_tokens_cached_total"] == sum(cached) and m["swiftdecode_prefix_cache_bytes"] > 0
     assert main(["serve", "--model", MODEL, "--prefix-cache-gb", "-1"]) == 2
+
+
+def test_sigterm_ends_streams_with_an_error_event_and_done(smollm):
+    """`swiftdecode serve` stopped (SIGTERM) while a long stream and a whole request generate: within the grace
+    period the stream ends with a `server shutting down` error event and [DONE] (not cut mid-stream), the whole
+    request is answered with 503, and the process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket_port() as port:
+        pass
+    argv = [sys.executable, "-m", "swiftdecode.apps.cli", "serve", "--model", MODEL, "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "prompt": "Count on and on:", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    try:
+        assert "serving" in proc.stdout.readline()
+        deadline = time.monotonic() + 120
+        while not ready(base) and time.monotonic() < deadline:  # ready once its worker has warmed up
+            time.sleep(0.2)
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+            lines = []
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                stream = r.iter_lines()
+                lines += [next(stream) for _ in range(6)]  # decoding
+                t0 = time.monotonic()
+                os.kill(proc.pid, signal.SIGTERM)
+                lines += list(stream)
+            ended = time.monotonic() - t0
+            assert whole.result().status_code == 503
+        events = [ln for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "server shutting down" in events[-2], events[-3:]
+        assert ended < 5, ended
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has stopped
+    finally:
+        proc.kill()
+
+
+def ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+class socket_port:
+    """A free TCP port on 127.0.0.1 (as a context: the socket that found it is closed on exit)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()

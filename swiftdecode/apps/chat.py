@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swiftdecode.apps.generate_cli import add_sampling_arguments, sampling_kwargs, stats_line
+from swiftdecode.apps.generate_cli import add_sampling_arguments, after_answer, sampling_kwargs
 from swiftdecode.base.config import PREFIX_CACHE_GB
+from swiftdecode.base.errors import UserError
+
+WHOLE_CONTEXT = 1 << 30  # --max-new-tokens by default: the engine cuts each answer where the model's context ends
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
-    add_sampling_arguments(p)
+    add_sampling_arguments(p, max_new_tokens=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens is None:
+        args.max_new_tokens = WHOLE_CONTEXT
     kwargs = sampling_kwargs(args)
     import swiftdecode
 
@@ -36,15 +41,26 @@ def run(args: argparse.Namespace) -> int:
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": line})
-        answer = ""
-        try:
-            for ev in gen.stream(gen.chat_ids(history), **kwargs):
-                print(ev.text, end="", flush=True)
-                answer += ev.text
-        except KeyboardInterrupt:
-            print("\n[interrupted]", file=sys.stderr)
+        answer = turn(gen, history, kwargs, args)
+        if answer is None:
             history.pop()
             continue
-        print()
-        print(stats_line(ev.result.stats.to_dict()), file=sys.stderr)
         history.append({"role": "assistant", "content": answer})
+
+
+def turn(gen, history: list[dict], kwargs: dict, args: argparse.Namespace) -> str | None:
+    """Stream one answer and the line after it; None where it was interrupted or the conversation does not fit."""
+    answer = ""
+    try:
+        for ev in gen.stream(gen.chat_ids(history), **kwargs):
+            print(ev.text, end="", flush=True)
+            answer += ev.text
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return None
+    except UserError as e:
+        print(f"[{e}: /reset starts a new conversation]", file=sys.stderr)
+        return None
+    print()
+    print(after_answer(ev.result, args, gen.max_length, cached=True), file=sys.stderr)
+    return answer

@@ -28,13 +28,14 @@ SAMPLING = (
 FLAGS = {k: "--" + k.replace("_", "-") for k in SAMPLING}
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by generate and chat."""
+def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int | None = 256) -> None:
+    """Options shared by generate and chat (max_new_tokens None: up to the model's context)."""
     from swiftdecode.apps.pull_cli import add_model_argument
 
     add_model_argument(p)
     p.add_argument("--method", default="swift", choices=METHODS, help="decoding method (default: swift)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    limit = max_new_tokens or "as many as the model's context holds"
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"answer length limit (default: {limit})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -53,6 +54,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens to --max-new-tokens")
     add_grammar_arguments(p)
     p.add_argument("--fast-path", default="auto", help=FAST_PATH_HELP)
+    p.add_argument("--verbose", action="store_true", help="after each answer, every counter instead of one short line")
 
 
 def add_grammar_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         for ev in gen.stream(prompt, chat=args.chat, **kwargs):
             print(ev.text, end="", flush=True)
         print()
-        print(stats_line(ev.result.stats.to_dict()), file=sys.stderr)
+        print(after_answer(ev.result, args, gen.max_length), file=sys.stderr)
     return 0
 
 
@@ -177,6 +179,43 @@ def record(res) -> dict:
         "accepted_by_source": s["accepted_by_source"],
         "search": s["search"],
     } | ({"logprobs": [asdict(e) for e in res.logprobs]} if res.logprobs is not None else {})
+
+
+def after_answer(res, args: argparse.Namespace, context: int, cached: bool = False) -> str:
+    """What follows an answer: every counter with --verbose, else `summary_line`; and, where a limit cut the
+    answer, which one."""
+    s = res.stats.to_dict()
+    line = stats_line(s) if args.verbose else summary_line(s, args.method, cached)
+    if res.finish_reason != "length":
+        return line
+    if res.prompt_tokens + s["new_tokens"] >= context:
+        return line + f"\n[the answer filled the model's context ({context} tokens)]"
+    return line + f"\n[stopped at --max-new-tokens {args.max_new_tokens}; raise it for a longer answer]"
+
+
+def summary_line(s: dict, method: str, cached: bool = False) -> str:
+    """One short line: speed, the speed-up over plain decoding, and where the accepted draft tokens came from."""
+    n = s["new_tokens"]
+    parts = [f"{n} token{'s' * (n != 1)} in {s['wall_s']:.1f} s, {s['tokens_per_s']:.1f} tok/s"]
+    if method != "ar":
+        parts += filter(None, [_speedup(s)])
+        by = s["accepted_by_source"]
+        copied, skipped = by["suffix"] + by["ngram"] + by["both"], by["skip"]
+        drafts = f"drafts accepted: {copied} copied from the text, {skipped} from the layer-skip draft"
+        parts.append(drafts if copied + skipped else "no draft tokens accepted")
+    if cached:
+        parts.append(f"prompt tokens cached {s['cached_prompt_tokens']}")
+    return "[" + "; ".join(parts) + "]"
+
+
+def _speedup(s: dict) -> str | None:
+    """Decoding time over what plain decoding would take for the same tokens, that time estimated from this
+    answer's own plain rounds (one token each, as plain decoding's); None without a plain round to tell."""
+    plain_rounds, decode_s = s["round_kinds"]["plain"], sum(s["round_seconds"].values())
+    if not plain_rounds or not decode_s or s["new_tokens"] < 2:
+        return None
+    plain_s = s["round_seconds"]["plain"] / plain_rounds * (s["new_tokens"] - 1)  # the first token is the prefill's
+    return f"~{plain_s / decode_s:.2f}x plain decoding"
 
 
 def stats_line(s: dict) -> str:

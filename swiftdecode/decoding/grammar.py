@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
@@ -26,6 +27,20 @@ KINDS = ("json_schema", "regex", "lark")  # a grammar spec is {kind: value}, exa
 # included); an ambiguous grammar's grow with the output without bound (`x: x x | "a"`: 20 ms at 300 tokens, 0.5 s
 # at 900), and llguidance's own item limits stop it only past that.
 GRAMMAR_STEP_S = 0.05
+# ... and all of a request's parsing and masking together (its compile included) at most this long: a grammar just
+# under the step limit at every position would otherwise hold every round of the batch back for the whole answer.
+GRAMMAR_REQUEST_S = 5.0
+# A grammar's source (a schema as JSON text, a regex or a Lark grammar) at most, as tools.MAX_SCHEMA_CHARS: its
+# compile runs on the worker thread between two rounds of the batch.
+MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A grammar compiled once (a matcher at its start), for every choice of a request: each gets a copy."""
+
+    matcher: llguidance.LLMatcher
+    seconds: float  # the compile's time, counted in each copy's GRAMMAR_REQUEST_S
 
 
 def grammar_text(spec: object) -> str:
@@ -35,17 +50,24 @@ def grammar_text(spec: object) -> str:
         raise ParamError("grammar", f"grammar must be one of {{{', '.join(map(repr, KINDS))}: ...}}, got {spec!r:.80}")
     (kind, value), make = next(iter(spec.items())), llguidance.LLMatcher
     if kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ParamError("grammar", f"json_schema is not valid JSON: {e}") from None
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+            size = len(json.dumps(value))
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ParamError("grammar", f"json_schema is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(value, dict):
             raise ParamError("grammar", f"json_schema must be a JSON object, got {value!r:.80}")
+        check_size(kind, size)
         return make.grammar_from_json_schema(value)
     if not isinstance(value, str):
         raise ParamError("grammar", f"{kind} must be a string, got {value!r:.80}")
+    check_size(kind, len(value))
     return make.grammar_from_regex(value) if kind == "regex" else make.grammar_from_lark(value)
+
+
+def check_size(kind: str, chars: int) -> None:
+    if chars > MAX_GRAMMAR_CHARS:
+        raise ParamError("grammar", f"the {kind} has {chars} characters; at most {MAX_GRAMMAR_CHARS} are taken")
 
 
 class Grammars:
@@ -55,28 +77,36 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, eos: set[int]):
         self.tokenizer, self.vocab, self.eos, self.lltok = tokenizer, vocab, sorted(eos), None
 
-    def constraint(self, spec: object | None) -> Constraint | None:
-        """A new request's constraint, None without a spec (ParamError for one malformed or that does not compile).
-        `spec`: grammar_text's, or a request's `tools.Tools` (the answer: text or calls, see `tools`)."""
-        if spec is None:
-            return None
+    def compile(self, spec: object) -> Compiled:
+        """A grammar, compiled (ParamError for one malformed, too large, or that does not compile). `spec`:
+        grammar_text's, or a request's `tools.Tools` (the answer: text or calls, see `tools`)."""
         text = lark(spec, marker_token(self.tokenizer)) if isinstance(spec, Tools) else grammar_text(spec)
         if self.lltok is None:
             self.lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=self.eos)
-        matcher = llguidance.LLMatcher(self.lltok, text, log_level=0)  # compiled once: an error is its state
+        t0 = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.lltok, text, log_level=0)  # an error is its state
         if matcher.is_error():
             lines = [line.strip() for line in matcher.get_error().splitlines() if line.strip()]  # where, source, why
             why = [line for line in lines[1:] if line.startswith("error:")][:1]
             raise ParamError("grammar", f"grammar does not compile: {' '.join(lines[:1] + why)}")
-        return Constraint(matcher, self.vocab, set(self.eos))
+        return Compiled(matcher, time.perf_counter() - t0)
+
+    def constraint(self, spec: object | None) -> Constraint | None:
+        """A new request's constraint, None without a spec; `spec`: compile's, or a Compiled (shared by the
+        choices of a request: each constraint parses on a copy)."""
+        if spec is None:
+            return None
+        compiled = spec if isinstance(spec, Compiled) else self.compile(spec)
+        return Constraint(compiled.matcher.deep_copy(), self.vocab, set(self.eos), compiled.seconds)
 
 
 class Constraint:
     """One request's grammar state: the tokens taken so far (`commit`), plus a tree path being verified. A path
     may run on past an end-of-sequence token (`eos`); what follows it is never taken, and is not parsed."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos: set[int]):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos: set[int], spent: float = 0.0):
         self.matcher, self.vocab, self.eos = matcher, vocab, eos
+        self.spent = spent  # seconds of parsing and masking so far (the compile's included)
         self.bits = np.zeros((vocab + 31) // 32, dtype=np.int32)  # llguidance's mask: bit i of word w is token 32w + i
         self.path: list[int] = []  # tokens consumed beyond the committed ones (a path during verification)
 
@@ -122,11 +152,15 @@ class Constraint:
             self._check(time.perf_counter() - t0)
 
     def _check(self, seconds: float) -> None:
-        """ParamError if the parser stopped (its item limits: every token consumed was allowed) or a step took
-        longer than GRAMMAR_STEP_S."""
+        """ParamError if the parser stopped (its item limits: every token consumed was allowed), a step took
+        longer than GRAMMAR_STEP_S or the request's steps together longer than GRAMMAR_REQUEST_S."""
         if self.matcher.is_error():
             why = self.matcher.get_error().splitlines()[0][:200]
             raise ParamError("grammar", f"the grammar's parser stopped: {why}")
+        self.spent += seconds
         if seconds > GRAMMAR_STEP_S:
             limit = f"{seconds * 1e3:.0f} ms for one position (at most {GRAMMAR_STEP_S * 1e3:.0f})"
+            raise ParamError("grammar", f"the grammar is too costly to follow: its parse took {limit}")
+        if self.spent > GRAMMAR_REQUEST_S:
+            limit = f"{self.spent:.1f} s in all (at most {GRAMMAR_REQUEST_S:g} s a request)"
             raise ParamError("grammar", f"the grammar is too costly to follow: its parse took {limit}")

@@ -129,6 +129,7 @@ class Request:
         self.cache = SwiftCache(layers, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
+        self.searched = 0  # characters of so_far's text already searched for a stop string (none was there)
         self.drafts: dict[str, object] = {}  # each drafter's state for this request, under its source name
         self.stats = GenerationStats(prompt_tokens=len(ids))  # output only: nothing reads it back to decide
         self.decode_s = 0.0  # seconds of its rounds, drafting and verifying, alone or batched (`round.account`)
@@ -173,7 +174,8 @@ class Request:
         if self.top_logprobs is not None and taken:
             self.logprobs += token_logprobs(rows, taken, self.top_logprobs)
         text = self.so_far.update(self.new)
-        if self.finish is not None or len(self.new) >= self.budget or find_stop(text, self.stop) is not None:
+        hit, self.searched = find_stop(text, self.stop, self.searched), len(text)
+        if self.finish is not None or len(self.new) >= self.budget or hit is not None:
             text = self.decode(self.new)  # the end is decided on the whole text, decoded once
             cut = find_stop(text, self.stop)
             if cut is not None:
@@ -197,8 +199,10 @@ class Request:
         return None
 
 
-def find_stop(text: str, stop: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+def find_stop(text: str, stop: list[str], searched: int = 0) -> int | None:
+    """Where the first stop string in `text` begins, if any; text[:searched] is known to hold none, so only what
+    ends after it is searched (a round's text, not the whole answer's)."""
+    hits = [i for i in (text.find(s, max(searched - len(s) + 1, 0)) for s in stop) if i >= 0]
     return min(hits) if hits else None
 
 
@@ -212,8 +216,11 @@ def stop_overlap(text: str, stop: list[str]) -> int:
 
 
 def tokens_for(decode, ids: list[int], chars: int) -> list[int]:
-    """Shortest prefix of ids whose text reaches past `chars` characters (the stop string's first character)."""
-    n = 1
-    while n < len(ids) and len(decode(ids[:n])) <= chars:
-        n += 1
-    return ids[:n]
+    """Shortest prefix of ids whose text reaches past `chars` characters (the stop string's first character), by
+    bisection: O(log n) decodes. A prefix's text grows with it (a cut multi-byte character aside, which may move
+    the cut by a token; the rule is the same for every method, so they stay identical)."""
+    lo, hi = 1, len(ids)  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(decode(ids[:mid])) > chars else (mid + 1, hi)
+    return ids[:lo]

@@ -50,6 +50,11 @@ TOLD = (
 )
 
 
+class ArgumentsText(str):
+    """A history call's arguments that are not JSON, kept as the text they are (OpenAI takes them so): a call cut by
+    the token limit, sent back as the response gave it. Written into the prompt as is, not as JSON."""
+
+
 @dataclass(frozen=True)
 class Tools:
     """A request's tools: OpenAI function definitions ({"name", "description", "parameters"}), the choice
@@ -176,8 +181,23 @@ def told(message: dict) -> dict:
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     if not message.get("tool_calls"):
         return message
-    calls = [f"{OPEN}{HEAD}{c['name']}{ARGS}{json.dumps(c['arguments'])}{TRAILER}" for c in message["tool_calls"]]
+    calls = [f"{OPEN}{HEAD}{c['name']}{ARGS}{arguments_text(c['arguments'])}{TRAILER}" for c in message["tool_calls"]]
     return {"role": message["role"], "content": SEPARATOR.join(filter(None, [message["content"], *calls]))}
+
+
+def arguments_text(arguments: object) -> str:
+    """A history call's arguments as its prompt shows them: JSON as the template's `tojson` writes it, or the text
+    that was not JSON as it is."""
+    return arguments if isinstance(arguments, ArgumentsText) else json.dumps(arguments)
+
+
+def is_json(text: str) -> bool:
+    """Whether `text` parses as JSON (a finished call's arguments do; one cut by the token limit does not)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def finish_reason(reason: str, calls: int) -> str:

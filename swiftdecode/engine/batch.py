@@ -29,8 +29,9 @@ from swiftdecode.runtime.tree import Tree
 # measured: rowcost.tokens_that_pay); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
 # proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
-# Prompt rows prefilled per round while other requests decode: a round then costs a few decode steps, so
-# their tokens keep flowing while a long prompt (thousands of tokens) is read.
+# Prompt rows prefilled per round, whether or not other requests decode: a round then costs a few decode steps,
+# so their tokens keep flowing while a long prompt (thousands of tokens) is read, and a request arriving meanwhile
+# joins after one chunk, not after the whole prompt.
 PREFILL_CHUNK = 256
 NOT_YET = object()  # a joining request's round that prefilled a chunk of its prompt: nothing to report
 
@@ -50,10 +51,11 @@ class Batch:
         return len(self.active) + len(self.joining)
 
     def add(self, req: Request) -> StreamEvent | None:
-        """A new request (or an evicted one, whose context is prefilled again): prefilled now if nothing else runs
-        (or the engine must see its whole prefill), else in chunks over the next rounds. Returns its first event
-        if it has one yet."""
-        if not len(self) or not self.gen.plain_prefill():
+        """A new request (or an evicted one, whose context is prefilled again): prefilled now if it is one chunk
+        and nothing else runs (or the engine must see its whole prefill), else in chunks over the next rounds.
+        Returns its first event if it has one yet."""
+        prompt = len(req.ctx) - 1 if req.resumed else len(req.ids)
+        if (not len(self) and prompt <= PREFILL_CHUNK) or not self.gen.plain_prefill():
             event = refill(self.gen.sm, req) if req.resumed else self.gen.begin(req)
             if not req.done:
                 self.active.append(req)
@@ -101,9 +103,9 @@ class Batch:
             kinds.append(kind if pays else "plain")
         joiner = self.joining[0] if self.joining else None
         chunk, picks = None, False
-        if joiner is not None:  # the whole rest of its prompt when nobody decodes, else one chunk
+        if joiner is not None:  # one chunk of its prompt
             done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
-            end = goal if not reqs else min(done + PREFILL_CHUNK, goal)
+            end = min(done + PREFILL_CHUNK, goal)
             causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
             chunk = (joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache)
             picks = end == goal and not joiner.resumed  # its last prompt row's logits choose its first token

@@ -15,7 +15,7 @@ from swiftdecode.base.config import METHODS, PAPER_SEARCH, EngineConfig, preset
 from swiftdecode.base.errors import UserError
 from swiftdecode.base.params import RequestParams, check_params, check_vocab
 from swiftdecode.base.text import Prompts, eos_ids
-from swiftdecode.decoding.grammar import Grammars
+from swiftdecode.decoding.grammar import Compiled, Grammars
 from swiftdecode.decoding.logprobs import PromptScorer
 from swiftdecode.decoding.request import GenerationResult, Request, StreamEvent
 from swiftdecode.decoding.sampling import Sampler
@@ -75,7 +75,7 @@ class Generator:
         *,
         seed: int | None = None,
         chat: bool = False,
-        grammar: dict | Tools | None = None,
+        grammar: dict | Tools | Compiled | None = None,
         cache_salt: str | None = None,
         params: RequestParams | None = None,
         **checked,
@@ -83,7 +83,8 @@ class Generator:
         """A request, not started (UserError on bad input). `params`: its parameters as validated at the edge
         (`params.check_params`), else `checked`: check_params' keywords (max_new_tokens: 128 unless given; stop;
         logprobs, 0-20 alternatives per token, None: off; sampling), validated here. `grammar`: the answer's
-        structure (or `tools.Tools`); `cache_salt`: cache entries are shared only by requests of one salt."""
+        structure (or `tools.Tools`; or either as `grammars.compile` gave it, for the choices of one request);
+        `cache_salt`: cache entries are shared only by requests of one salt."""
         if params is not None and checked:
             raise UserError(f"give the parameters as `params` or as keywords, not both (got {', '.join(checked)})")
         params = params or check_params(**{"max_new_tokens": DEFAULT_MAX_NEW_TOKENS} | checked)

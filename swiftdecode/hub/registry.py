@@ -90,7 +90,9 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
     ]
 }
-DEFAULT_MODEL = "smollm2-135m"
+# The CLI's and the server's model when none is named: of the registry's chat models, the one that answered plain
+# questions correctly most often (docs/performance.md, "Choosing the default model"), not the smallest.
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
 
 def known_names() -> str:

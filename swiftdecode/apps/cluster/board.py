@@ -1,4 +1,5 @@
-"""/metrics across replicas: each replica's Prometheus text, kept by one small deployment, merged with a label.
+"""/metrics across replicas: each replica's Prometheus text, kept by one small deployment, merged with a label;
+and the replicas' request body limit, which the ingress applies before routing.
 
 A Ray Serve handle reaches some replica, not a chosen one, so each replica pushes its own text here every few
 seconds (replica.METRICS_PUSH_S) and the ingress serves the merge: every sample once per replica, labelled
@@ -17,9 +18,15 @@ class Board:
 
     def __init__(self):
         self.texts: dict[str, tuple[float, str]] = {}
+        self.body_limit: int | None = None  # the replicas' request body limit (one model: one limit)
 
-    def put(self, replica: str, text: str) -> None:
+    def put(self, replica: str, text: str, max_body: int | None = None) -> None:
         self.texts[replica] = (time.monotonic(), text)
+        self.body_limit = max_body or self.body_limit
+
+    def max_body(self) -> int | None:
+        """The replicas' body limit, for the ingress (None until a replica has pushed)."""
+        return self.body_limit
 
     def get(self) -> dict[str, str]:
         """{replica id: its text}, for the replicas heard from within STALE_S."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 
 from swiftdecode.base.errors import UserError
@@ -25,7 +24,15 @@ AFFINITY_MATCH = 0.5
 # the order of what a few replicas' prefix caches hold (1 GB each by default: ~43k tokens of Qwen2.5-0.5B).
 TREE_CHARS = 400_000
 INGRESS_ONGOING = 4096  # requests the ingress holds at once: each replica bounds its own queue (429 beyond)
+# Requests a replica takes beyond its batch and queue (--max-batch + --max-queue), which its server answers with
+# its own 429 (Retry-After) at once: without them Ray would hold the overflow at the ingress, and the single
+# server's 429 would never come.
+OVERFLOW_SLOTS = 4
 GRACE_S = 5  # as the single server: in-flight requests get this long on shutdown
+# How often a stopping replica looks for requests still in flight (Ray's default, 2 s, made a stop of idle
+# replicas take ~9 s; the stop must end within 10 s of Ctrl-C).
+DRAIN_POLL_S = 0.25
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # either stops Serve, and a Ray started here, cleanly
 
 
 def replica_threads(args: argparse.Namespace) -> int:
@@ -47,8 +54,9 @@ def application(args: argparse.Namespace):
     from ray.serve.config import RequestRouterConfig
 
     from swiftdecode.apps.cluster.board import Board
-    from swiftdecode.apps.cluster.ingress import Ingress
+    from swiftdecode.apps.cluster.ingress import Gate, Ingress
     from swiftdecode.apps.cluster.replica import Replica
+    from swiftdecode.apps.server.options import api_keys, model_id
 
     threads = replica_threads(args)
     router = RequestRouterConfig(
@@ -62,17 +70,22 @@ def application(args: argparse.Namespace):
         },
     )
     quiet = {"log_level": "WARNING"}  # its puts, every few seconds from each replica, are not worth a log line
-    board = serve.deployment(Board, ray_actor_options={"num_cpus": 0}, logging_config=quiet).bind()
+    drain = {"graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
+    board = serve.deployment(Board, ray_actor_options={"num_cpus": 0}, logging_config=quiet, **drain).bind()
     replicas = serve.deployment(Replica).options(
         ray_actor_options={"num_cpus": threads},
-        max_ongoing_requests=args.max_batch + args.max_queue,
+        max_ongoing_requests=args.max_batch + args.max_queue + OVERFLOW_SLOTS,
         request_router_config=router,
         graceful_shutdown_timeout_s=GRACE_S,
+        **drain,
         **scaling(args),
     )
     engine_args = argparse.Namespace(**{**vars(args), "threads": threads})
-    ingress = serve.deployment(Ingress, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_ONGOING)
-    return ingress.bind(replicas.bind(engine_args, board), board)
+    no_cpu = {"ray_actor_options": {"num_cpus": 0}}
+    ingress = serve.deployment(Ingress, **no_cpu, max_ongoing_requests=INGRESS_ONGOING, **drain)
+    keys = api_keys(args)
+    gate = Gate(tuple(keys) if keys else None, args.metrics_key, model_id(args), args.request_timeout)
+    return ingress.bind(replicas.bind(engine_args, board), board, gate)
 
 
 def start(args: argparse.Namespace) -> str:
@@ -100,17 +113,28 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
     except ImportError:
         raise UserError("serve --ray needs Ray Serve: pip install 'swiftdecode[cluster]'") from None
-    from swiftdecode.apps.server.cli import listen, model_id
+    from swiftdecode.apps.server.options import listen, model_id
 
     listen(args.host, args.port).close()  # fails fast, before Ray starts, if the address is taken
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a stop request shuts Serve down as Ctrl-C does
+    for sig in STOP_SIGNALS:  # set, not inherited: a shell starts background jobs with SIGINT ignored
+        signal.signal(sig, stop)
     try:
         print(f"swiftdecode: serving {model_id(args)} ({args.method}) on Ray Serve at {start(args)}")
         while True:
             time.sleep(1)
-    except KeyboardInterrupt:
+    except Stopped:
         return 0
     finally:
+        for sig in STOP_SIGNALS:  # the shutdown runs to its end (bounded by GRACE_S): no Ray process is left
+            signal.signal(sig, signal.SIG_IGN)
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
+
+
+class Stopped(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM reached `serve --ray`."""
+
+
+def stop(signum: int, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)

@@ -1,8 +1,13 @@
 """The ingress of `serve --ray`: one FastAPI app in front of the replicas, forwarding each request as it came.
 
-Routing is Ray Serve's: the replicas' request router is Ray's PrefixCacheAffinityRouter (deploy.py), which reads
-the routing text each call carries (`routing_text`: the tenant, then the prompt) and sends a request to the
-replica that saw the longest part of it while that replica is not overloaded, else to the less loaded of two.
+Before a request is routed the ingress checks it as the single server would (its `Gate`): the API key first (in
+constant time, before the body is read), the server's body limit (the replicas' own, from the board), and a
+completion's parameters (400s never reach a replica). Routing is Ray Serve's: the replicas' request router is
+Ray's PrefixCacheAffinityRouter (deploy.py), which reads the routing text each call carries (`routing_text`: the
+tenant, then the prompt, at most MAX_ROUTING_CHARS) and sends a request to the replica that saw the longest part
+of it while that replica is not overloaded, else to the less loaded of two. A replica takes a few requests beyond
+its batch and queue, and answers them with its server's 429 (deploy.OVERFLOW_SLOTS); no answer within the
+request timeout: 504.
 
 Failover: a replica that dies before answering costs a retry on another one. Every replica computes the same
 bits (batch-invariant kernels, the same seeds), so a retried request gets the answer the first would have given.
@@ -13,6 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,27 +29,56 @@ from ray.exceptions import RayActorError
 from swiftdecode.apps.cluster.asgi import Call
 from swiftdecode.apps.cluster.board import merge
 from swiftdecode.apps.cluster.routing import routing_text
-from swiftdecode.apps.server import responses
-from swiftdecode.apps.server.app import BODY_TIMEOUT_S, PROMETHEUS_TYPE, error_response, read_body
+from swiftdecode.apps.server import protocol, responses
+from swiftdecode.apps.server.app import BODY_TIMEOUT_S, PROMETHEUS_TYPE, check_key, error_response, read_body
 from swiftdecode.apps.server.protocol import ApiError
+from swiftdecode.apps.server.running import timeout_error
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4  # tries of a request whose replica died before answering, each after Ray has had time to notice
 RETRY_WAIT_S = 0.5  # the first wait before a retry, doubling after each
-MAX_BODY = 16 * 2**20  # the ingress's bound on a body; each replica applies its own (smaller, per its context)
+MAX_BODY = 16 * 2**20  # a body's bound until a replica has told the board its own (per its model's context)
+# Characters of a request's routing text at most: the router's tree matches beginnings (a conversation's turns
+# share theirs), and the text is ~50 bytes per token id of a prompt given as ids.
+MAX_ROUTING_CHARS = 32_768
 DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}  # recomputed by the ingress's response
+OPEN_PATHS = ("/health",)  # as the single server: no key asked
+GENERATING = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the ingress checks before routing, as each replica's server does: the API keys (None: open),
+    /metrics's key, the served model's name and the request timeout."""
+
+    api_keys: tuple[str, ...] | None
+    metrics_key: str | None
+    model_id: str
+    timeout_s: float
+
+    def admit(self, request: Request) -> None:
+        """401 unless the request sent a key its path takes (/metrics: the metrics key or an API key; the
+        replica then applies its own rule)."""
+        path = request.url.path
+        keys = (*(self.api_keys or ()), *([self.metrics_key] if path == "/metrics" and self.metrics_key else []))
+        if keys and path not in OPEN_PATHS:
+            check_key(request, keys)
+
 
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
 
-def parse(authorization: str, body: bytes) -> tuple[Any, str]:
-    """The body as JSON (None where it is none: the replica answers that with its own 400) and its routing text."""
+def parse(path: str, authorization: str, body: bytes, model_id: str) -> tuple[Any, str]:
+    """The body as JSON (None where it is none: the replica answers that with its own 400) and its routing text;
+    a completion's body checked as the server checks it (ApiError)."""
+    if path in GENERATING:
+        protocol.parse_request(body, GENERATING[path], model_id)
     try:
         parsed = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
-    return parsed, routing_text(authorization, parsed)
+    return parsed, routing_text(authorization, parsed)[:MAX_ROUTING_CHARS]
 
 
 def kept(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -58,22 +93,29 @@ def unavailable(e: Exception) -> ApiError:
 class Ingress:
     """Forwards every route to a replica (`replicas`: their handle); /metrics merges the board's texts."""
 
-    def __init__(self, replicas, board):
-        self.replicas, self.board = replicas, board
+    def __init__(self, replicas, board, gate: Gate):
+        self.replicas, self.board, self.gate = replicas, board, gate
+        self.max_body: int | None = None  # the replicas' body limit, once one has told the board
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
         try:
-            body = await read_body(request, MAX_BODY, BODY_TIMEOUT_S)
-            auth = request.headers.get("authorization", "")
-            parsed, route = await asyncio.to_thread(parse, auth, body)  # off the event loop, as the server parses
+            self.gate.admit(request)
+            self.max_body = self.max_body or await self.board.max_body.remote()
+            body = await read_body(request, self.max_body or MAX_BODY, BODY_TIMEOUT_S)
+            auth, model = request.headers.get("authorization", ""), self.gate.model_id
+            parsed, route = await asyncio.to_thread(parse, request.url.path, auth, body, model)  # off the loop
             query = f"?{request.url.query}" if request.url.query else ""
             call = Call(request.method, request.url.path + query, tuple(request.headers.items()), body, route)
-            if isinstance(parsed, dict) and parsed.get("stream") is True:
-                return await self.stream(call)
-            status, headers, content = await self.respond(call)
+            async with asyncio.timeout(self.gate.timeout_s):
+                if isinstance(parsed, dict) and parsed.get("stream") is True:
+                    return await self.stream(call)
+                status, headers, content = await self.respond(call)
         except ApiError as e:
             return error_response(e)
+        except TimeoutError:
+            return error_response(timeout_error(self.gate.timeout_s))
+
         if call.path == "/metrics" and status == 200:  # the replica checked the key; the text is everyone's
             return Response(merge(await self.board.get.remote()), 200, media_type=PROMETHEUS_TYPE)
         return Response(content, status, headers=kept(headers))

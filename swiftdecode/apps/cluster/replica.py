@@ -44,7 +44,7 @@ class Replica:
         from ray import serve
 
         from swiftdecode.apps.server.app import create_app
-        from swiftdecode.apps.server.cli import app_options, engine, model_id
+        from swiftdecode.apps.server.options import app_options, engine, model_id
 
         self.app = create_app(engine(args), model_id(args), **app_options(args))
         self.api = self.app.state.api
@@ -115,7 +115,7 @@ class Replica:
     async def push_metrics(self) -> None:
         while True:
             try:
-                await self.board.put.remote(self.id, self.api.metrics_text())
+                await self.board.put.remote(self.id, self.api.metrics_text(), self.api.max_body)
             except Exception as e:  # the board restarting: the next push goes through
                 log.warning("metrics push failed: %r", e)
             await asyncio.sleep(METRICS_PUSH_S)

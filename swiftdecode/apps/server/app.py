@@ -5,6 +5,7 @@ tokens, its job is cancelled and the worker moves on. /health and /metrics never
 """
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from swiftdecode.apps.server import protocol, responses
@@ -54,7 +55,9 @@ KNOWN_PATHS = {
 @dataclass(frozen=True)
 class Limits:
     """The serving limits and access (see `swiftdecode serve --help`). `api_keys`: the keys a request may send
-    (None: open); each is a tenant of the prefix cache. `metrics_key`: /metrics's own key (default: the API keys)."""
+    (None: open); each is a tenant: what is learned from its text serves only its requests. `metrics_key`:
+    /metrics's own key (default: the API key, if only one). `response_stats`: responses carry the engine's
+    statistics (`swiftdecode`)."""
 
     max_queue: int = 64
     max_batch: int = DEFAULT_MAX_BATCH
@@ -63,6 +66,7 @@ class Limits:
     api_keys: tuple[str, ...] | None = None
     metrics_key: str | None = None
     body_timeout_s: float = BODY_TIMEOUT_S
+    response_stats: bool = False
 
 
 def create_app(
@@ -77,19 +81,21 @@ def create_app(
     metrics_key: str | None = None,
     docs: bool = False,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    response_stats: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `gen` as model `model_id`; the worker thread stops on app shutdown. `api_key`: one
-    key or several; `docs`: serve FastAPI's /docs, /redoc and /openapi.json (open to all)."""
+    key or several; `docs`: serve FastAPI's /docs, /redoc and /openapi.json (open to all); see Limits."""
     keys = [api_key] if isinstance(api_key, str) else api_key
-    if keys is not None and not all(keys):
-        raise UserError("an API key must not be empty (it would lock every client out)")
-    limits = Limits(max_queue, max_batch, timeout_s, kv_gb, tuple(keys) if keys else None, metrics_key, body_timeout_s)
+    protocol.check_keys([*(keys or ()), *([metrics_key] if metrics_key is not None else [])])
+    keys = tuple(keys) if keys else None
+    limits = Limits(max_queue, max_batch, timeout_s, kv_gb, keys, metrics_key, body_timeout_s, response_stats)
     api = Api(gen, model_id, limits)
     pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="swiftdecode", lifespan=api.lifespan, **pages)
     app.state.api = api  # its worker, metrics and limits, for whoever holds the app
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RecursionError, too_deep)
     app.add_exception_handler(Exception, api.crash)
     app.add_middleware(StatusCounter, metrics=api.metrics)
     app.get("/health")(api.health)
@@ -103,15 +109,26 @@ def create_app(
     return app
 
 
+def check_key(request: Request, keys: tuple[str, ...]) -> int:
+    """The index of the key of `keys` the request sent as 'Authorization: Bearer KEY', else 401. Every key is
+    compared, each in constant time: the time taken tells nothing of any key."""
+    given = request.headers.get("authorization", "").encode("latin-1")
+    found = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+    if not any(found):
+        message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
+        raise ApiError(401, message, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    return found.index(True)
+
+
 def tokens_route(api: "Api", call: Callable[[bytes], dict]) -> Callable:
-    """The handler of /tokenize or /detokenize (see `tokens`): `call` runs off the event loop; the engine's
-    UserError is a 400."""
+    """The handler of /tokenize or /detokenize (see `tokens`): `call` runs on the tokens' own thread; the
+    engine's UserError is a 400."""
 
     async def route(request: Request) -> dict:
         api.authorize(request)
         raw = await api.read_body(request)
         try:
-            return await asyncio.to_thread(call, raw)
+            return await asyncio.get_running_loop().run_in_executor(api.tokens.thread, call, raw)
         except UserError as e:
             raise ApiError(e.status, str(e)) from None
 
@@ -151,6 +168,11 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     return error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
 
 
+async def too_deep(request: Request, e: RecursionError) -> JSONResponse:
+    """A request whose JSON nests deeper than its checks could recurse: the request's fault, not the server's."""
+    return error_response(protocol.too_deep())
+
+
 class StatusCounter:
     """Pure ASGI middleware counting responses by (path, status) for /metrics; unknown paths count as "other"."""
 
@@ -179,6 +201,9 @@ class Api:
         self.created = int(time.time())
         self.max_body = max(MIN_BODY, BODY_PER_TOKEN * gen.max_length)
         self.tokens = Tokens(gen.codec())
+        # A token's text, as a response's logprobs show it: cached (at most the vocabulary), so that a long echoed
+        # prompt's entries cost a lookup each, not a tokenizer call.
+        self.token_text = functools.lru_cache(maxsize=None)(lambda token: gen.decode([token]))
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -189,6 +214,12 @@ class Api:
             raise RuntimeError(f"the generation worker failed to warm up: {self.worker.failure!r}")
         yield
         await asyncio.to_thread(self.worker.close)
+        self.tokens.thread.shutdown(cancel_futures=True)
+
+    def drain(self, seconds: float) -> None:
+        """The server is stopping: see Worker.drain (from the signal handler, on the event loop's thread)."""
+        if self.worker is not None:
+            self.worker.drain(seconds)
 
     async def crash(self, request: Request, e: Exception) -> JSONResponse:
         """An unhandled error: 500, counted (the status counter does not see responses made out here)."""
@@ -204,9 +235,14 @@ class Api:
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
-        """The metrics, for the metrics key or (without one) any API key."""
+        """The metrics, for the metrics key or (without one) the API key. With several API keys each is a tenant,
+        and the metrics sum all tenants' traffic: only a metrics key reads them (403 without one)."""
+        keys = self.limits.api_keys
         if self.limits.metrics_key is not None:
-            self.check_key(request, (self.limits.metrics_key,))
+            check_key(request, (self.limits.metrics_key,))
+        elif keys is not None and len(keys) > 1:
+            check_key(request, keys)
+            raise ApiError(403, "with several API keys, /metrics reads only with --metrics-key (it sums all tenants)")
         else:
             self.authorize(request)
         return PlainTextResponse(self.metrics_text(), media_type=PROMETHEUS_TYPE)
@@ -236,17 +272,7 @@ class Api:
 
     def authorize(self, request: Request) -> int | None:
         """Which API key the request sent (its index), None on an open server; else 401."""
-        return None if self.limits.api_keys is None else self.check_key(request, self.limits.api_keys)
-
-    def check_key(self, request: Request, keys: tuple[str, ...]) -> int:
-        """The index of the key of `keys` the request sent as 'Authorization: Bearer KEY', else 401. Every key is
-        compared, each in constant time: the time taken tells nothing of any key."""
-        given = request.headers.get("authorization", "").encode()
-        found = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
-        if not any(found):
-            message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
-            raise ApiError(401, message, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        return found.index(True)
+        return None if self.limits.api_keys is None else check_key(request, self.limits.api_keys)
 
     async def read_body(self, request: Request) -> bytes:
         """The request's body: at most `max_body` bytes (413), arriving within the body timeout (408)."""
@@ -269,7 +295,7 @@ class Api:
             if stream:
                 text_of = self.token_text if params["params"].logprobs is not None else None
                 parts = [(first, events) for first, events in zip(firsts, jobs, strict=True)]
-                said = self.echoed(prompt, choices[0]) if echo else None
+                said = await asyncio.to_thread(self.echo_head, prompt, choices[0], chat, text_of) if echo else None
                 first = responses.chunk_head(head, chat)
                 sse = sse_chunks(first, chat, req.include_usage, parts, text_of, said, req.tools is not None)
                 return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -282,17 +308,23 @@ class Api:
         finally:
             if not stream:
                 await asyncio.gather(*(events.aclose() for events in jobs))
-        said = self.echoed(prompt, choices[0]) if echo else None
-        return responses.completion(head, chat, results, self.token_text, said, req.tools is not None)
+        body = await asyncio.to_thread(self.whole_response, head, chat, results, echo and (prompt, choices[0]), req)
+        return Response(body, media_type="application/json")
+
+    def whole_response(self, head: dict, chat: bool, results: list, echo: tuple | None, req) -> bytes:
+        """A non-streamed response's JSON (off the event loop: an echoed prompt's logprobs are as long as it)."""
+        said = self.echoed(*echo) if echo else None
+        stats, tools = self.limits.response_stats, req.tools is not None
+        return json.dumps(responses.completion(head, chat, results, self.token_text, said, tools, stats))
+
+    def echo_head(self, prompt: str | list[int], job: Job, chat: bool, text_of) -> tuple:
+        """A stream's echoed prompt (responses.echo_head), built once for all choices, off the event loop."""
+        return responses.echo_head(self.echoed(prompt, job), chat, text_of)
 
     def echoed(self, prompt: str | list[int], job: Job) -> tuple:
         """responses.completion's `echo` of a scored job: the prompt's text, ids and entries."""
         text = prompt if isinstance(prompt, str) else self.gen.decode(prompt)
         return text, job.prompt.ids, job.prompt.logprobs
-
-    def token_text(self, token: int) -> str:
-        """A token's text, as a response's logprobs show it."""
-        return self.gen.decode([token])
 
     async def run_job(self, request: Request, job: Job) -> AsyncIterator[Any]:
         """Queue the job and yield its engine events; cancels the job if the client leaves or we stop early."""

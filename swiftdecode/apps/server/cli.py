@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-from dataclasses import replace
+from collections.abc import Callable
 
+import uvicorn
+
+from swiftdecode.apps.server.options import api_keys, app_options, engine, listen, model_id, tenancy_note
+from swiftdecode.apps.server.protocol import check_keys
 from swiftdecode.apps.server.worker import DEFAULT_KV_GB, DEFAULT_MAX_BATCH, DEFAULT_TIMEOUT_S
-from swiftdecode.base.config import COPY_POOL_TOKENS, FAST_PATH_HELP, PREFIX_CACHE_GB, preset
+from swiftdecode.base.config import COPY_POOL_TOKENS, FAST_PATH_HELP, PREFIX_CACHE_GB
 from swiftdecode.base.errors import UserError
 
 GRACE_S = 5  # on shutdown, in-flight requests get this long before they are cancelled
-MAX_PORT = 65535
 # Open connections at most (uvicorn's limit_concurrency; beyond -> 503): the queue, the batch and their streams
 # are far fewer, and /health must stay reachable, so this bounds only sockets left open by misbehaving clients.
 DEFAULT_MAX_CONNECTIONS = 512
@@ -88,6 +89,12 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-key", help="the key /metrics asks for instead of an API key (default: any API key; none = open)"
     )
     parser.add_argument("--docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json (open)")
+    parser.add_argument(
+        "--response-stats",
+        action="store_true",
+        help="responses carry the engine's statistics ('swiftdecode': rounds, copies accepted, timings); they tell a "
+        "caller how its tenant's copy pool served it, so they are off by default",
+    )
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,64 +134,25 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError("--replicas, --max-replicas and --ray-address need --ray")
     if args.max_connections < 1:
         raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
-    if not all(api_keys(args) or ()) or args.metrics_key == "":
-        raise UserError("an API key must not be empty (--api-key, --metrics-key, $SWIFTDECODE_API_KEY)")
-
-
-def api_keys(args: argparse.Namespace) -> list[str] | None:
-    """The --api-key flags, else $SWIFTDECODE_API_KEY, else None (an open server)."""
-    env = os.environ.get("SWIFTDECODE_API_KEY")
-    return args.api_key or ([env] if env is not None else None)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (fails fast, before loading the model, if the address is taken)."""
-    if not 0 <= port <= MAX_PORT:
-        raise UserError(f"--port must be in 0..{MAX_PORT}, got {port}")
+    keys = [*(api_keys(args) or ()), *([args.metrics_key] if args.metrics_key is not None else [])]
     try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+        check_keys(keys)
+    except UserError as e:
+        raise UserError(f"{e} (--api-key, --metrics-key, $SWIFTDECODE_API_KEY)") from None
 
 
-def engine(args: argparse.Namespace):
-    """The Generator `serve` runs: the model loaded on the fast path, the method's preset with the copy pool."""
-    import swiftdecode
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server whose stop signal first drains the generation worker (`drain`: Worker.drain's): requests
+    still generating GRACE_S - 1 s later end with 503 (a stream with an error event and [DONE]) before uvicorn, at
+    GRACE_S, would cut them off mid-stream."""
 
-    if args.threads is not None:
-        import torch
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], None]):
+        super().__init__(config)
+        self.drain = drain
 
-        torch.set_num_threads(args.threads)
-    model, tokenizer = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
-    )
-    config = replace(preset(args.method), copy_pool=args.copy_pool) if args.method != "ar" else None
-    gen = swiftdecode.Generator(model, tokenizer, args.method, config, prefix_cache_gb=args.prefix_cache_gb)
-    if args.prefix_cache_gb > 0 and not gen.memory()["prefix_budget"]:
-        print("swiftdecode: no prefix cache on this model's forward path (needs the skinny kernels)", file=sys.stderr)
-    return gen
-
-
-def model_id(args: argparse.Namespace) -> str:
-    """The name the API serves the model under."""
-    return args.served_model_name or args.model
-
-
-def app_options(args: argparse.Namespace) -> dict:
-    """`create_app`'s keyword arguments: the serving limits and access."""
-    return {
-        "max_queue": args.max_queue,
-        "max_batch": args.max_batch,
-        "timeout_s": args.request_timeout,
-        "kv_gb": args.max_kv_gb,
-        "api_key": api_keys(args),
-        "metrics_key": args.metrics_key,
-        "docs": args.docs,
-    }
+    def handle_exit(self, sig, frame) -> None:
+        self.drain(GRACE_S - 1)
+        super().handle_exit(sig, frame)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,17 +161,17 @@ def run(args: argparse.Namespace) -> int:
         from swiftdecode.apps.cluster.deploy import run as run_cluster
 
         return run_cluster(args)
-    import uvicorn
-
     from swiftdecode.apps.server.app import create_app
 
     sock = listen(args.host, args.port)
+    if note := tenancy_note(args):
+        print(note, file=sys.stderr)
     app = create_app(engine(args), model_id(args), **app_options(args))
     print(f"swiftdecode: serving {model_id(args)} ({args.method}) on http://{args.host}:{sock.getsockname()[1]}/v1")
     config = uvicorn.Config(
         app, log_level="info", timeout_graceful_shutdown=GRACE_S, limit_concurrency=args.max_connections
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.api.drain)
     server.run(sockets=[sock])
     if not server.started:
         raise UserError("the server did not start (see the log above)")

@@ -18,8 +18,8 @@ MAX_UNREAD = 64
 @dataclass(eq=False)
 class Prompt:
     """A request's prompt, shared by its choices' jobs: as given (text, token ids, or chat messages) and, once the
-    worker has encoded it (with its tools), its ids and (echo with logprobs) the entries of ids[1:]: both once per
-    request."""
+    worker has encoded it (with its tools), its ids, its compiled grammar and (echo with logprobs) the entries of
+    ids[1:]: each once per request."""
 
     given: str | list[int] | list[dict]
     chat: bool
@@ -27,6 +27,7 @@ class Prompt:
     ids: list[int] | None = None
     logprobs: list | None = None
     scorer: Any = None  # echo with logprobs: the logprobs.PromptScorer while its chunks are being scored
+    grammar: Any = None  # the request's grammar, compiled once for its choices (grammar.Compiled)
 
 
 @dataclass(eq=False)

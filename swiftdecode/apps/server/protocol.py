@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from swiftdecode.base.errors import UserError
 from swiftdecode.base.params import CONTROLS, MAX_BIAS_IDS, MAX_TOP_LOGPROBS, SHOWN, ParamError, check_params
-from swiftdecode.decoding.tools import Tools, check_tools
+from swiftdecode.decoding.tools import ArgumentsText, Tools, check_tools
 
 ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error (4xx; 401 and 404 too), server_error
 MAX_ID_DIGITS = 18  # a logit_bias key (a token id) has at most this many digits: int() of 5000 digits raises
@@ -58,6 +59,20 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = "server_error" if self.status >= 500 else ERROR_TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def check_keys(keys: list[str]) -> None:
+    """UserError for a key no request could send: empty (it would lock every client out), or not printable ASCII
+    (HTTP headers carry bytes that servers read as Latin-1: such a key would never match)."""
+    if not all(keys):
+        raise UserError("an API key must not be empty (it would lock every client out)")
+    if not all(k.isascii() and k.isprintable() and k.strip() == k for k in keys):
+        raise UserError("an API key must be printable ASCII without surrounding spaces (no client could send it)")
+
+
+def too_deep() -> ApiError:
+    """The 400 of a request whose JSON nests deeper than its checks could recurse (a RecursionError)."""
+    return ApiError(400, "the request nests too deep (JSON objects or arrays within each other)")
 
 
 # ---------------------------------------------------------------- requests
@@ -282,7 +297,7 @@ def parse_messages(body: dict) -> list[dict]:
 
 def parse_calls(calls: object, param: str) -> list[dict]:
     """An assistant message's `tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": JSON
-    text}}]) -> [{"name", "arguments": the parsed object}]."""
+    text}}]) -> [{"name", "arguments": the parsed object, or tools.ArgumentsText where the text is not JSON}]."""
     if calls is None:
         return []
     check(isinstance(calls, list), f"{param}.tool_calls must be a list", param)
@@ -294,8 +309,8 @@ def parse_calls(calls: object, param: str) -> list[dict]:
         check(ok, f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", where)
         try:
             arguments = json.loads(f["arguments"])
-        except (ValueError, RecursionError):
-            raise ApiError(400, f"{where}.function.arguments is not valid JSON", where) from None
+        except (ValueError, RecursionError):  # a call cut by the token limit: its text, as OpenAI takes it
+            arguments = ArgumentsText(f["arguments"])
         check(not nested_deeper(arguments, MAX_NESTING), f"{where}.function.arguments nest too deep", where)
         out.append({"name": f["name"], "arguments": arguments})
     return out

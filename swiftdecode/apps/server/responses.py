@@ -8,8 +8,9 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from itertools import accumulate
 
-from swiftdecode.decoding.tools import CallParser, finish_reason, split_answer
+from swiftdecode.decoding.tools import CallParser, finish_reason, is_json, split_answer
 
 MIN_LOGPROB = -9999.0  # written for a log-probability of -inf (vLLM's convention; JSON has no infinity)
 
@@ -54,10 +55,21 @@ def logprobs_json(
         return {"content": content, "refusal": None}
     head = [] if first is None else [text_of(first)]
     tokens = head + [text_of(e.token) for e in entries]
-    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    starts = list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
     top = [None] * len(head) + [{text_of(t): finite(lp) for t, lp in e.top} for e in entries]
     logprobs = [None] * len(head) + [finite(e.logprob) for e in entries]
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": starts}
+
+
+def echo_head(echo: tuple, chat: bool, text_of: Callable[[int], str] | None) -> tuple[str, dict | None, int]:
+    """A stream's echoed prompt, the same for each choice: (its text, the logprobs of its entries (the first token
+    without a log-probability) if asked for, the characters its tokens span: the next entry's text_offset).
+    `echo` as completion's; `text_of`: None without logprobs."""
+    said, ids, entries = echo
+    if not text_of:
+        return said, None, 0
+    lps = logprobs_json(entries, chat, text_of, 0, ids[0]) if entries is not None else None
+    return said, lps, sum(len(text_of(t)) for t in ids)
 
 
 def finite(logprob: float) -> float | None:
@@ -73,9 +85,11 @@ def completion(
     text_of: Callable[[int], str],
     echo: tuple | None = None,
     tools: bool = False,
+    stats: bool = False,
 ) -> dict:
-    """The whole (non-streamed) response to a request, a choice per GenerationResult; `swiftdecode` holds the
-    engine's statistics of the first choice. `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
+    """The whole (non-streamed) response to a request, a choice per GenerationResult; with `stats`, `swiftdecode`
+    holds the engine's statistics of the first choice (off by default: they tell how a tenant's shared copy pool
+    served the answer). `echo`: (prompt text, prompt ids, the prompt's TokenLogprob entries
     for ids[1:] or None), which each choice's text and logprobs begin with. `tools`: the answers are split into
     content and tool calls."""
     choices, (said, first, before) = [], (echo[0], echo[1][0], echo[2] or []) if echo else ("", None, [])
@@ -84,16 +98,26 @@ def completion(
         if tools:
             content, calls = split_answer(res.text)
             message, finish = {"role": "assistant", "content": content}, finish_reason(finish, len(calls))
-            message |= {"tool_calls": [tool_call(c["name"], c["arguments"]) for c in calls]} if calls else {}
+            message |= {"tool_calls": tool_calls(calls, res.finish_reason)} if calls else {}
         text = {"message": message} if chat else {"text": said + res.text}
         logprobs = logprobs_json(before + res.logprobs, chat, text_of, 0, first) if res.logprobs is not None else None
         choices.append({"index": i, **text, "logprobs": logprobs, "finish_reason": finish})
-    return {**head, "choices": choices, "usage": usage(results), "swiftdecode": results[0].stats.to_dict()}
+    extra = {"swiftdecode": results[0].stats.to_dict()} if stats else {}
+    return {**head, "choices": choices, "usage": usage(results), **extra}
 
 
 def sse(payload: dict) -> str:
     """One server-sent event carrying `payload` as JSON."""
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def tool_calls(calls: list[dict], reason: str) -> list[dict]:
+    """An answer's calls as its message holds them; where the token limit cut the last one mid-arguments, that one
+    says so (`"truncated": true`; its arguments are the text so far, which a request's history takes back)."""
+    out = [tool_call(c["name"], c["arguments"]) for c in calls]
+    if reason == "length" and not is_json(calls[-1]["arguments"]):
+        out[-1]["truncated"] = True
+    return out
 
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:

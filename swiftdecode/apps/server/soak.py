@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit
 
+from swiftdecode.apps.server import stall
 from swiftdecode.apps.server.soak_process import (
     HEALTH_TIMEOUT_S,
     metrics_5xx,
@@ -32,6 +33,7 @@ from swiftdecode.apps.server.soak_process import (
 )
 from swiftdecode.apps.server.soak_requests import (
     COMPLETIONS,
+    PATHS,
     PROBE_TIMEOUT_S,
     RAW_PROBES,
     Refused,
@@ -59,7 +61,8 @@ DROP_SHARE = 0.2  # of the streamed valid requests: closed after 1-3 chunks, as 
 SLOW_PROBE_TIMEOUT_S = 300
 JOIN_GRACE_S = SLOW_PROBE_TIMEOUT_S + 15  # every client's last request ends within its timeout after the soak
 NOTES_KEPT = 3  # failure details kept per kind, for the report
-SLOW_PROBES = {"pathological_lark", "echo_long"}  # they decode or score first: SLOW_PROBE_TIMEOUT_S
+# They decode or score first: SLOW_PROBE_TIMEOUT_S
+SLOW_PROBES = {"pathological_lark", "echo_long", "echo_n16", "long_prompt", "stop_after_literal"}
 
 
 class Tally:
@@ -88,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (default: 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH")
+    stall = parser.add_argument_group("--stall: whether heavy requests stall running streams (instead of the soak)")
+    stall.add_argument("--stall", action="store_true", help="measure stream gaps and /health beside heavy requests")
+    stall.add_argument("--streams", type=int, default=4, help="streams decoding meanwhile (default: 4)")
+    stall.add_argument("--echo-tokens", type=int, default=8000, help="the score-only echo's prompt (default: 8000)")
+    stall.add_argument("--echo-n", type=int, default=16, help="the echo's choices (default: 16)")
+    stall.add_argument("--prompt-tokens", type=int, default=16000, help="the long prompt (default: 16000)")
 
 
 def send_retrying(srv: Server, path: str, body: bytes, tally: Tally, **kw: Any) -> tuple[int, Any, Any]:
@@ -138,7 +147,8 @@ def run_probe(srv: Server, name: str, model: str, bodies: dict, tally: Tally) ->
         else:
             key = "wrong-" + secrets.token_hex(4) if name == "bad_key" else None
             timeout = SLOW_PROBE_TIMEOUT_S if name in SLOW_PROBES else PROBE_TIMEOUT_S
-            status, _, data = send_retrying(srv, COMPLETIONS, bodies[name], tally, timeout=timeout, key=key)
+            path = PATHS.get(name, COMPLETIONS)
+            status, _, data = send_retrying(srv, path, bodies[name], tally, timeout=timeout, key=key)
             ok, detail = passed(name, status, data), f"status {status}: {data[:160]!r}"
             tally.add(f"status.{name}.{status}")
     except (OSError, http.client.HTTPException, ValueError, IndexError) as e:
@@ -289,6 +299,16 @@ def print_report(s: dict, bad: list[str]) -> None:
     print("PASS" if not bad else "FAIL: " + "; ".join(bad))
 
 
+def stall_run(srv: Server, model: str, args: argparse.Namespace) -> int:
+    """`soak --stall` (see stall.py): 0 when the streams' gaps and /health kept within the bars."""
+    m = stall.measure(srv, model, args.streams, args.echo_tokens, args.echo_n, args.prompt_tokens)
+    bad = stall.report(m)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**m, "failed_checks": bad}, f, indent=2)
+    return 0 if not bad else 1
+
+
 def solo_answers(srv: Server, specs: list, tally: Tally) -> tuple[dict, list[str]]:
     """Each valid request sent alone: its reference answer (a request that fails alone is left out, and reported)."""
     solo, problems = {}, []
@@ -311,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         proc, srv, log_path = start_server(args)
     try:
         model = wait_ready(srv, proc, log_path)
+        if args.stall:
+            return stall_run(srv, model, args)
         tally, specs = Tally(), valid_requests(model)
         solo, problems = solo_answers(srv, specs, tally)
         bodies = probe_bodies(model)  # before the soak, so that no client waits for it

@@ -25,7 +25,20 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "requi
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
 # Probes answered by plain HTTP; each must get a 4xx, or also: "answer" a 200 whose choices all finished, "200" any
 # 200, "401" only a 401. Anything else, and any 5xx, fails it.
-ALSO_OK = {"tiny_temperature": "answer", "echo_long": "200", "bad_key": "401"}
+ALSO_OK = {
+    "tiny_temperature": "answer",
+    "echo_long": "200",
+    "echo_n16": "200",
+    "long_prompt": "answer",
+    "stop_after_literal": "answer",
+    "cut_tool_call": "answer",
+    "tokenize_big": "200",
+    "bad_key": "401",
+}
+PATHS = {"cut_tool_call": CHAT, "tokenize_big": "/tokenize"}  # a probe's route, where it is not COMPLETIONS
+# An assistant's call cut by the token limit, as our own response gave it (its arguments are not JSON)
+CUT_CALL = {"id": "call_1", "type": "function", "function": {"name": "convert", "arguments": '{"amount": 250, "'}}
+DEEP = 400  # a response_format schema nesting objects this deep
 FLOOD = 90_000  # logit_bias entries: with the shortest distinct keys they fit a 1 MiB body (the limit's floor)
 RAW_PROBES = ("never_read", "slow_body")  # written on a bare socket
 
@@ -136,6 +149,20 @@ def probe_bodies(model: str) -> dict[str, bytes]:
         "huge_prompt": js(prompt="lorem ipsum " * (15 * 2**20 // 12), max_tokens=4),
         "huge_body": js(prompt="Hi", logit_bias=dict.fromkeys(map(str, range(1_500_000)), 0)),
         "echo_long": js(prompt="the quick brown fox jumps " * 1200, echo=True, logprobs=1, max_tokens=0),
+        "echo_n16": js(prompt="a stitch in time saves nine " * 1000, echo=True, logprobs=0, max_tokens=0, n=16),
+        "long_prompt": js(prompt="the early bird catches the worm " * 800, max_tokens=4, temperature=0),
+        "stop_after_literal": js(prompt="x", max_tokens=600, grammar={"regex": "(ab){400}END"}, stop=["END"]),
+        "cut_tool_call": js(
+            messages=[
+                {"role": "user", "content": "Convert 250 USD to EUR."},
+                {"role": "assistant", "content": None, "tool_calls": [CUT_CALL]},
+                {"role": "user", "content": "Go on."},
+            ],
+            max_tokens=8,
+        ),
+        "tokenize_big": js(prompt="lorem ipsum dolor " * 10_000),
+        "deep_schema": js(prompt="Hi", response_format=deep_format(DEEP)),
+        "huge_grammar": js(prompt="Hi", grammar={"regex": "a" * 300_000}),
         "logit_bias_flood": js(prompt="Hi", logit_bias=dict.fromkeys(itertools.islice(digits, FLOOD), 0)),
         "big_int": b'{"model":%s,"prompt":"Hi","max_tokens":%s}' % (m, b"9" * 5000),
         "big_int_key": b'{"model":%s,"prompt":"Hi","logit_bias":{"%s":1}}' % (m, b"9" * 5000),
@@ -143,6 +170,14 @@ def probe_bodies(model: str) -> dict[str, bytes]:
         "lone_surrogate_model": b'{"model":"\\ud800","prompt":"Hi"}',
         "bad_key": js(prompt="Hi", max_tokens=4),
     }
+
+
+def deep_format(depth: int) -> dict:
+    """A response_format whose schema nests `depth` objects: a 400 (too deep or too costly), never a 500."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
 
 
 def passed(name: str, status: int, data: bytes) -> bool:

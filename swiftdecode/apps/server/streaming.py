@@ -60,8 +60,8 @@ async def sse_chunks(
 ) -> AsyncIterator[str]:
     """OpenAI streaming chunks as server-sent events, ending with `data: [DONE]`; `head` from chunk_head; `parts`
     the choices' (first event, events), their chunks interleaved as they come. With `text_of` (a token's text) each
-    chunk carries the logprobs of the tokens the engine released up to it; `echo` and `tools` as
-    responses.completion's."""
+    chunk carries the logprobs of the tokens the engine released up to it; `echo`: responses.echo_head's; `tools`
+    as responses.completion's."""
     results: list = []
     streams = [
         choice_chunks(head, chat, first, events, text_of, i, results, echo, tools)
@@ -116,17 +116,15 @@ async def choice_chunks(
     tools: bool = False,
 ) -> AsyncIterator[str]:
     """One choice's chunks (see sse_chunks); its GenerationResult is appended to `results` at the end. With
-    `echo` the first chunk holds the prompt (and its entries, the first token without a log-probability); with
+    `echo` (responses.echo_head: built once for all choices) the first chunk holds the prompt and its entries; with
     `tools` the text goes out as content and tool-call deltas (responses.ToolDeltas)."""
     if chat:
         yield responses.chunk(head, chat, "", None, role=True, index=index)
     ev, sent, pending = first, 0, []  # sent: characters of text that went out (the engine holds back stop strings)
     before = [0]  # characters of the tokens whose entries went out: the next entry's text_offset
     if echo is not None:
-        said, ids, entries = echo
-        lps = responses.logprobs_json(entries, chat, text_of, 0, ids[0]) if text_of and entries is not None else None
+        said, lps, before[0] = echo
         yield responses.chunk(head, chat, said, None, logprobs=lps, index=index)
-        before[0] = sum(len(text_of(t)) for t in ids) if text_of else 0
     split = responses.ToolDeltas() if tools else None
 
     def logprobs() -> dict | None:

@@ -3,12 +3,13 @@
 /tokenize takes {"prompt": text} (llama.cpp: "content"; "add_special_tokens", llama.cpp: "add_special") or chat
 {"messages", "tools"?} (the prompt a chat completion would read, with its generation prompt) and answers
 {"tokens", "count", "max_model_len"}; /detokenize takes {"tokens"} and answers {"prompt"} (llama.cpp: "content").
-They run on a tokenizer of their own, off the event loop: the worker thread's is not shared between threads.
+They run on a tokenizer of their own, in a thread of their own: the worker thread's tokenizer is not shared
+between threads, and a flood of them queues there, not in the event loop's thread pool that parses completions.
 """
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from swiftdecode.apps.server.protocol import ApiError, check, parse_body, parse_messages, parse_tools, take
 from swiftdecode.base.text import Prompts
@@ -16,25 +17,23 @@ from swiftdecode.decoding.tools import render
 
 
 class Tokens:
-    """A copy of the served tokenizer (`prompts`), its calls one at a time."""
+    """A copy of the served tokenizer (`prompts`), its calls one at a time on `thread` (the only one using it)."""
 
     def __init__(self, prompts: Prompts):
         self.prompts = prompts  # its own tokenizer (Generator.codec)
-        self.lock = threading.Lock()
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="swiftdecode-tokens")
 
     def tokenize(self, raw: bytes) -> dict:
         body = parse_body(raw)
         if "messages" in body:
             messages, tools = parse_messages(body), parse_tools(body)
-            with self.lock:
-                ids = self.prompts.chat_ids(*render(messages, tools, self.prompts.tokenizer))
+            ids = self.prompts.chat_ids(*render(messages, tools, self.prompts.tokenizer))
         else:
             text = take(body, "prompt", "str", take(body, "content", "str"))
             check(text is not None, "give 'prompt' (a string) or 'messages'", "prompt")
             special = take(body, "add_special_tokens", "bool", take(body, "add_special", "bool", True))
-            with self.lock:
-                self.prompts.check_chars(len(text))
-                ids = list(self.prompts.tokenizer(text, add_special_tokens=special)["input_ids"])
+            self.prompts.check_chars(len(text))
+            ids = list(self.prompts.tokenizer(text, add_special_tokens=special)["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": self.prompts.max_length}
 
     def detokenize(self, raw: bytes) -> dict:
@@ -44,6 +43,5 @@ class Tokens:
         vocab = self.prompts.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise ApiError(400, f"token ids must lie in [0, {vocab})", "tokens")
-        with self.lock:
-            text = self.prompts.decode(ids)
+        text = self.prompts.decode(ids)
         return {"prompt": text, "content": text}
