@@ -63,13 +63,14 @@ def test_a_new_drafter_drafts_losslessly_through_the_round(smollm, monkeypatch):
 def test_a_new_drafter_drafts_in_a_batch(smollm, monkeypatch):
     gen, ar = echo_engine(smollm, monkeypatch), Generator(*smollm, method="ar")
     prompts = [PROMPT, "Say the alphabet: a b c d e f g h i j k l m n o p q r s t u v w x y z, then say it again."]
-    batch = Batch(gen)
-    reqs = [gen.request(p, chat=True, max_new_tokens=40) for p in prompts]
+    batch, budgets = Batch(gen), [120, 40]  # the first decodes on while the second's prompt joins, paced
+    kw = {"chat": True, "ignore_eos": True}
+    reqs = [gen.request(p, max_new_tokens=n, **kw) for p, n in zip(prompts, budgets, strict=True)]
     for req in reqs:
         batch.add(req)
     while len(batch):
         batch.step()
-    for req, prompt in zip(reqs, prompts, strict=True):
-        assert req.new == ar.generate(prompt, chat=True, max_new_tokens=40).token_ids
+    for req, prompt, n in zip(reqs, prompts, budgets, strict=True):
+        assert req.new == ar.generate(prompt, max_new_tokens=n, **kw).token_ids
     assert sum(req.stats.accepted_by_source.get("echo", 0) for req in reqs) > 0
     assert all(req.stats.batched_rounds > 0 for req in reqs)

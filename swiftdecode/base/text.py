@@ -44,7 +44,7 @@ class Prompts:
         """Token ids of `messages` in the model's chat template, ready for the assistant's answer; `tools`: OpenAI's
         function tools, for a template that takes them."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise UserError("this model's tokenizer has no chat template")
+            raise UserError("this model's tokenizer has no chat template (a base model): drop --chat, or pick another")
         said = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         self.check_chars(said + len(json.dumps([tools, [m.get("tool_calls") for m in messages]])))
         out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)

@@ -75,11 +75,22 @@ class PromptScorer:
         return self.scored >= len(self.ids)
 
     def step(self) -> None:
-        """Score the next chunk of at most PROMPT_CHUNK tokens."""
-        s, sm = self.scored, self.sm
-        rows = sm.logits(sm.prefill(self.ids[s : s + PROMPT_CHUNK], self.cache))
-        self.entries += token_logprobs(rows, self.ids[s + 1 : s + 1 + PROMPT_CHUNK], self.k)
-        self.scored = min(len(self.ids), s + PROMPT_CHUNK)
+        """Score the next PROMPT_CHUNK tokens."""
+        ids, positions, causal, cache = self.part(PROMPT_CHUNK)
+        self.took(self.sm.logits(self.sm.forward(ids, positions, causal, cache)))
+
+    def part(self, chunk: int) -> tuple[list[int], torch.Tensor, torch.Tensor, SwiftCache]:
+        """The next `chunk` tokens' rows (at most PROMPT_CHUNK), as a forward takes them beside other sequences'
+        (a model.Part); `took` then scores their logits."""
+        s = self.scored
+        ids = self.ids[s : s + min(chunk, PROMPT_CHUNK)]
+        return ids, torch.arange(s, s + len(ids)), torch.ones(len(ids), len(ids), dtype=torch.bool).tril_(), self.cache
+
+    def took(self, rows: torch.Tensor) -> None:
+        """The entries of the rows `part` gave, from their logits [rows, V]."""
+        s = self.scored
+        self.entries += token_logprobs(rows, self.ids[s + 1 : s + 1 + len(rows)], self.k)
+        self.scored = min(len(self.ids), s + len(rows))
 
 
 def prompt_logprobs(sm, ids: list[int], k: int) -> tuple[list[TokenLogprob], SwiftCache]:

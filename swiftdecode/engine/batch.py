@@ -20,19 +20,17 @@ import torch
 
 from swiftdecode.decoding.request import Request, StreamEvent
 from swiftdecode.drafters.rowcost import CostLine
+from swiftdecode.engine import pacing
 from swiftdecode.engine.generator import Generator
 from swiftdecode.engine.round import account, forward_trees, settle
-from swiftdecode.runtime.model import SwiftModel
+from swiftdecode.runtime.model import Part, SwiftModel
 from swiftdecode.runtime.tree import Tree
 
 # Rows of one batched forward at most, roots included, when n-gram nodes are given out (how many of them pay is
 # measured: rowcost.tokens_that_pay); beyond ~16 rows the quantized kernel is compute-bound and rows cost about
 # proportionally (swiftdecode doctor prints the curve).
 BATCH_ROWS = 16
-# Prompt rows prefilled per round, whether or not other requests decode: a round then costs a few decode steps,
-# so their tokens keep flowing while a long prompt (thousands of tokens) is read, and a request arriving meanwhile
-# joins after one chunk, not after the whole prompt.
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = pacing.CHUNK  # a prompt's rows per round at most (pacing: fewer while others decode)
 NOT_YET = object()  # a joining request's round that prefilled a chunk of its prompt: nothing to report
 
 
@@ -46,6 +44,8 @@ class Batch:
         self.prefilled: dict[Request, int] = {}  # prompt tokens of each joining request already in its cache
         self.rows = 0  # rows of the last batched forward (0 when the last round ran alone)
         self.line = CostLine()  # seconds of a batched forward by its rows: how many copied tokens pay
+        self.pacer = pacing.ChunkPacer()  # a joining prompt's rows per round beside decoding requests
+        self.scorer = None  # a prompt scored for its log-probabilities (logprobs.PromptScorer), a chunk a round
 
     def __len__(self) -> int:
         return len(self.active) + len(self.joining)
@@ -75,12 +75,13 @@ class Batch:
         """One round for every active request not in `hold` (and a prompt chunk of the first joining one);
         requests that finish leave the batch, and so does a request whose own part of the round raised (its
         sampler, grammar or stop rules): its exception is its event, and the others' rounds are unaffected."""
-        reqs = [r for r in self.active if r not in hold]
-        if not reqs and not self.joining:
+        reqs, scoring = [r for r in self.active if r not in hold], self.scorer is not None and not self.scorer.done
+        if not reqs and not self.joining and not scoring:
             return []
-        if len(reqs) == 1 and not self.joining:
-            req, self.rows = reqs[0], 0
+        if len(reqs) == 1 and not self.joining and not scoring:
+            req, self.rows, t0 = reqs[0], 0, time.perf_counter()
             out = [(req, self._settled(req, self.gen.step, req))]
+            self.pacer.decoded(time.perf_counter() - t0)
         else:
             out = self._batched_round(reqs)
         self.active = [r for r in self.active if not r.done]
@@ -101,28 +102,45 @@ class Batch:
                 tree.add_chain(chain, length, kind)
             trees.append(tree)
             kinds.append(kind if pays else "plain")
-        joiner = self.joining[0] if self.joining else None
-        chunk, picks = None, False
-        if joiner is not None:  # one chunk of its prompt
-            done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
-            end = min(done + PREFILL_CHUNK, goal)
-            causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
-            chunk = (joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache)
-            picks = end == goal and not joiner.resumed  # its last prompt row's logits choose its first token
+        work, chunk, ends = self._prompt_chunk(bool(reqs))
+        joiner = self.joining[0] if work == "prefill" else None
+        picks = joiner is not None and ends and not joiner.resumed  # its last row's logits choose its first token
         starts = [req.cache.length for req in reqs]
         self.rows = sum(len(t) + 1 for t in trees) + (len(chunk[0]) if chunk else 0)
         t0 = time.perf_counter()
-        logits, last = forward_trees(gen.sm, reqs, trees, chunk, picks)
+        wanted = len(chunk[0]) if work == "score" else int(picks)  # the chunk's rows whose logits are needed
+        logits, last = forward_trees(gen.sm, reqs, trees, chunk, wanted)
+        if work == "score":  # its rows' entries: part of what the chunk adds to the round
+            self.scorer.took(last)
         elapsed = time.perf_counter() - t0
-        if joiner is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
+        if work is None:  # prompt chunks cost more per row than decoding rows: left out of the fit
             self.line.record(self.rows, elapsed)
-        seconds = elapsed / (len(reqs) + (joiner is not None))  # the shared forward, split evenly
+            self.pacer.decoded(elapsed)
+        elif reqs:
+            self.pacer.read(work, len(chunk[0]), elapsed - (self.pacer.decode_s or 0.0))
+        seconds = elapsed / (len(reqs) + (work is not None))  # the shared forward, split evenly
         out = []
         for req, tree, kind, start, scores in zip(reqs, trees, kinds, starts, logits, strict=True):
             out.append((req, self._settled(req, self._verified, req, tree, kind, start, scores, seconds)))
         if joiner is not None:
-            out.append((joiner, self._settled(joiner, self._prefilled, joiner, end == goal, seconds, last)))
+            out.append((joiner, self._settled(joiner, self._prefilled, joiner, ends, seconds, last)))
         return [(req, event) for req, event in out if event is not NOT_YET]
+
+    def _prompt_chunk(self, decoding: bool) -> tuple[str | None, Part | None, bool]:
+        """This round's prompt rows, one kind a round, paced beside `decoding` requests: (kind, rows, whether
+        they end the prompt). A chunk of the first joining request's prompt ("prefill"), else of the prompt being
+        scored ("score"), else (None, None, False)."""
+        if decoding and self.pacer.decode_s is None:  # a round of the decoding requests alone is measured first
+            return None, None, False
+        if self.joining:
+            joiner = self.joining[0]
+            done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
+            end = min(done + self.pacer.rows("prefill", decoding), goal)
+            causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
+            return "prefill", (joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache), end == goal
+        if self.scorer is not None and not self.scorer.done:
+            return "score", self.scorer.part(self.pacer.rows("score", decoding)), False
+        return None, None, False
 
     def _settled(self, req: Request, part: Callable, *args) -> StreamEvent | Exception | None:
         """part(*args): one request's own part of a round. If it raises, the request leaves the batch and the

@@ -88,16 +88,16 @@ def round_alone(sm: SwiftModel, proposer: Proposer, req: Request) -> tuple[list[
 
 
 def forward_trees(
-    sm: SwiftModel, reqs: list[Request], trees: list[Tree], chunk: Part | None = None, chunk_logits: bool = False
+    sm: SwiftModel, reqs: list[Request], trees: list[Tree], chunk: Part | None = None, chunk_logits: int = 0
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """One full forward over every request's tree (root: its ctx[-1], after its cache) and a prompt `chunk`:
-    logits [len(tree) + 1, V] per tree, and the chunk's last row's logits [1, V] if `chunk_logits` (else None).
-    Every row is its own sequence's alone (batch-invariant kernels, per-request attention)."""
+    logits [len(tree) + 1, V] per tree, and those of the chunk's last `chunk_logits` rows (else None). Every
+    row is its own sequence's alone (batch-invariant kernels, per-request attention)."""
     parts = [
         (t.input_ids(), t.positions(r.cache.length), t.ancestry(), r.cache) for r, t in zip(reqs, trees, strict=True)
     ]
     hidden = sm.forward_batch(parts + ([chunk] if chunk is not None else []))
-    rows = hidden[: len(reqs)] + ([hidden[-1][-1:]] if chunk_logits else [])
+    rows = hidden[: len(reqs)] + ([hidden[-1][-chunk_logits:]] if chunk_logits else [])
     logits = list(sm.logits(torch.cat(rows)).split([len(h) for h in rows])) if rows else []
     return logits[: len(reqs)], logits[-1] if chunk_logits else None
 

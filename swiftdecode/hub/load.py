@@ -110,5 +110,6 @@ def load_model(name_or_path: str, *, cache_dir=None, dtype=None, progress: bool 
                 f"cannot load {name_or_path!r} from the Hugging Face hub ({msg}); known models: {known_names()}"
             ) from None
     raise UserError(
-        f"unknown model {name_or_path!r} (not a registry name, folder or file); known models: {known_names()}"
+        f"unknown model {name_or_path!r} (not a registry name, folder or file); known models: {known_names()} "
+        "(swiftdecode models lists them)"
     )

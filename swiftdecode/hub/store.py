@@ -114,7 +114,7 @@ def pull(
     _check_weights(weights)
     spec = REGISTRY.get(name)
     if spec is None:
-        raise UserError(f"unknown model {name!r}; known models: {known_names()}")
+        raise UserError(f"unknown model {name!r}; known models: {known_names()} (swiftdecode models lists them)")
     cache = resolve_cache_dir(cache_dir)
     entry = cache / (name if weights == "fp32" else f"{name}-gguf")
     with locked(cache, entry.name):

@@ -17,6 +17,7 @@ from swiftdecode.base.errors import UserError
 from swiftdecode.decoding.request import GenerationResult, GenerationStats, StreamEvent
 
 if TYPE_CHECKING:
+    from swiftdecode.engine.batch import Batch
     from swiftdecode.engine.generator import Generator
 
 log = logging.getLogger(__name__)
@@ -58,17 +59,18 @@ def engine_request(gen: Generator, job: Job):
     return gen.request(encoded(gen, job.prompt), **job.params | at_least_one | grammar(gen, job.prompt, job.params))
 
 
-def score(gen: Generator, job: Job, metrics: Metrics) -> bool | None:
-    """Echo with logprobs: the prompt's entries, scored once for all its choices, one chunk a call so that a long
-    prompt is scored between the others' rounds (None: chunks remain). Once scored, its cache goes to the prefix
-    store under the request's salt, so its prefill copies it. A job that asks for no new tokens is answered here
-    (True)."""
+def score(gen: Generator, job: Job, metrics: Metrics, batch: Batch) -> bool | None:
+    """Echo with logprobs: the prompt's entries, scored once for all its choices, a chunk in each of the batch's
+    rounds (`Batch.scorer`, one prompt at a time, paced beside the decoding requests) (None: chunks remain).
+    Once scored, its cache goes to the prefix store under the request's salt, so its prefill copies it. A job
+    that asks for no new tokens is answered here (True)."""
     prompt, k = job.prompt, job.params["params"].logprobs
     if k is not None and prompt.logprobs is None:
         prompt.scorer = prompt.scorer or gen.prompt_scorer(prompt.ids, k)
-        prompt.scorer.step()
         if not prompt.scorer.done:
+            batch.scorer = batch.scorer if batch.scorer is not None and not batch.scorer.done else prompt.scorer
             return None
+        batch.scorer = None if batch.scorer is prompt.scorer else batch.scorer
         prompt.logprobs, cache, prompt.scorer = prompt.scorer.entries, prompt.scorer.cache, None
         gen.save_prefix(prompt.ids, cache, job.request.salt)
     if job.params["params"].max_new_tokens:
@@ -133,6 +135,8 @@ class Running:
         reservation."""
         if job.cancelled.is_set():
             self.release(job)
+            if job.prompt.scorer is not None and self.batch.scorer is job.prompt.scorer:  # its other choices, if
+                self.batch.scorer = None  # any are left, take it up again
             job.emit(END)
             self.metrics.count("cancelled")
             return True
@@ -144,7 +148,7 @@ class Running:
             self.release(job)  # a prompt being scored held its entries since the last call
             if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
                 return False
-            if job.echo and (answered := score(self.gen, job, self.metrics)) is not False:
+            if job.echo and (answered := score(self.gen, job, self.metrics, self.batch)) is not False:
                 if answered is None:  # more to score after the others' next round: it keeps its entries meanwhile
                     self.reserved.take(req, entries)
                     return SCORING
@@ -169,7 +173,7 @@ class Running:
         size = len(self.batch)
         self.starved = self.reserved.grow(list(self.jobs))
         self.waiting = self.held() | self.starved  # these sit out the round
-        if not size:
+        if not size and self.batch.scorer is None:
             return []
         if preempted := self.preempt():
             return preempted

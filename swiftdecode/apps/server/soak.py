@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from swiftdecode.apps.server import stall
 from swiftdecode.apps.server.soak_process import (
     HEALTH_TIMEOUT_S,
+    kv_reserved_mb,
     metrics_5xx,
     prefix_mb,
     rss_mb,
@@ -81,6 +82,9 @@ class Tally:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default: {DEFAULT_MODEL})")
     parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default: 8)")
+    parser.add_argument(
+        "--ray", metavar="RxT", help="soak `serve --ray` with R replicas of T threads (RSS: the server and its Ray's)"
+    )
     parser.add_argument("--url", help="soak this running server (http://host:port) instead of starting one")
     parser.add_argument("--key", help="with --url: its API key")
     parser.add_argument("--pid", type=int, help="with --url: the server's process id, to watch its RSS")
@@ -273,6 +277,7 @@ def verdict(s: dict) -> list[str]:
     bad += [f"{s['tool_errors']} unexpected errors in this tool (see notes)"] * bool(s["tool_errors"])
     bad += [f"RSS grew {ratio:.2f}x"] * (ratio is not None and ratio > 1 + RSS_GROWTH_MAX)
     bad += [f"probe {name} never sent" for name, p in s["probes"].items() if not p["pass"] + p["fail"]]
+    bad += [f"{s['kv_reserved_mb_idle']:.1f} MiB of KV cache still reserved once idle"] * bool(s["kv_reserved_mb_idle"])
     return bad + s["problems"]
 
 
@@ -292,7 +297,7 @@ def print_report(s: dict, bad: list[str]) -> None:
     if r["ratio"] is not None:
         print(
             f"RSS: {r['baseline']:.0f} MiB after warm-up, {r['end']:.0f} MiB at the end ({r['ratio']:.3f}x); "
-            f"of them the prefix cache's: {s['prefix_cache_mb']}"
+            f"of them the prefix cache's: {s['prefix_cache_mb']}; KV reserved once idle: {s['kv_reserved_mb_idle']} MiB"
         )
     for kind, notes in sorted(s["notes"].items()):
         print("\n".join(f"  {kind}: {note[:300]}" for note in notes))
@@ -323,6 +328,12 @@ def solo_answers(srv: Server, specs: list, tally: Tally) -> tuple[dict, list[str
 def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.seconds < 1 or args.warm_seconds < 0:
         raise UserError("--clients and --seconds must be >= 1, --warm-seconds >= 0")
+    if args.ray is not None:
+        from swiftdecode.apps.bench.cli import ray_shapes
+
+        if len(shapes := ray_shapes(args.ray)) != 1:
+            raise UserError(f"--ray takes one shape RxT, got {args.ray!r}")
+        args.ray = shapes[0]
     proc, log_path = None, None
     if args.url:
         url = urlsplit(args.url if "//" in args.url else f"http://{args.url}")
@@ -348,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
         end = rss_mb(srv.pid), prefix_mb(srv)
         summary = summarize(tally, [*bodies, *RAW_PROBES], latencies, stuck, (baseline[0], end[0]), srv)
         summary["prefix_cache_mb"] = {"baseline": baseline[1], "end": end[1]}
+        summary["kv_reserved_mb_idle"] = kv_reserved_mb(srv)
         if proc is not None and proc.poll() is not None:
             problems.append(f"the server exited with status {proc.returncode}")
         summary["problems"] = problems

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import secrets
 import signal
@@ -52,12 +53,30 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def rss_mb(pid: int | None) -> float | None:
-    """The process's resident memory (VmRSS), if known."""
+    """The resident memory (VmRSS) of the process and all its descendants (`serve --ray`: its Ray cluster and
+    replicas), if known."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+            own = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
     except (OSError, StopIteration, TypeError):
         return None
+    return own + sum(rss_mb(child) or 0.0 for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    """The process's child processes (Linux's /proc/PID/task/TID/children)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
 
 
 def metrics_text(srv: Server) -> str:
@@ -74,6 +93,12 @@ def metrics_5xx(srv: Server) -> dict[str, float] | None:
     text = metrics_text(srv)
     found = re.findall(r'http_requests_total\{path="([^"]*)",status="(5\d\d)"\} (\S+)', text)
     return {f"{path} {code}": float(n) for path, code, n in found} if text else None
+
+
+def kv_reserved_mb(srv: Server) -> float | None:
+    """The KV cache the running requests hold (every replica's, on Ray), if /metrics answers: 0 once idle."""
+    found = re.findall(r"^swiftdecode_kv_reserved_bytes(?:\{[^}]*\})? (\S+)$", metrics_text(srv), re.M)
+    return sum(float(v) for v in found) / 2**20 if found else None
 
 
 def prefix_mb(srv: Server) -> float | None:
@@ -96,10 +121,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, Server, st
         args.model,
         "--port",
         str(port),
-        "--api-key",
-        key,
+        f"--api-key={key}",  # one argument: a key may begin with "-"
         "--max-batch",
         str(args.max_batch),
+        *(["--ray", "--replicas", str(args.ray[0]), "--threads", str(args.ray[1])] if args.ray else []),
     ]
     with tempfile.NamedTemporaryFile(prefix="swiftdecode-soak-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -1,6 +1,7 @@
 """`swiftdecode soak --stall`: whether heavy requests stall the others. Streams decode alone for a while (their
 inter-token gaps alone); then a long score-only echo with many choices and a long prompt arrive beside them, and
-their gaps while those are read are compared with the gaps alone; /health is polled throughout.
+their gaps while those are read are compared with the gaps alone; /health is polled throughout. Each stream is a
+client sending bounded requests one after another, so its own context (and its rounds' cost) stays the same.
 
 The server reads a long prompt or echo in chunks between the running requests' rounds, and builds responses
 off its event loop; this measures that it does (a stall shows as gaps many times the alone gaps, or a slow
@@ -9,6 +10,7 @@ off its event loop; this measures that it does (a stall shows as gaps many times
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import statistics
@@ -23,14 +25,16 @@ SETTLE_S = 2.0
 HEALTH_EVERY_S = 0.05
 GAP_RATIO_MAX, HEALTH_P99_MAX_S = 3.0, 0.2  # issue #54's bars: p99 gap ≤ 3x alone, /health p99 < 0.2 s
 FILLER = "The committee met on Tuesday to review the budget, the schedule and the open questions. "
-STREAM_TOKENS = 100_000  # the streams run until stopped (capped by the context)
+# Tokens of each streamed request: a stream is a client sending one such request after another, so its context
+# stays short and its rounds cost the same before, beside and after the heavy requests.
+STREAM_TOKENS = 256
 
 
 @dataclass
 class Stream:
-    """One stream's chunk arrival times (monotonic)."""
+    """One client's chunk arrival times (monotonic), a list per request."""
 
-    times: list[float] = field(default_factory=list)
+    times: list[list[float]] = field(default_factory=list)
 
 
 def p99(values: list[float]) -> float:
@@ -38,8 +42,9 @@ def p99(values: list[float]) -> float:
 
 
 def gaps(streams: list[Stream], start: float, end: float) -> list[float]:
-    """The inter-chunk gaps of every stream whose later chunk arrived within [start, end]."""
-    return [b - a for s in streams for a, b in itertools.pairwise(s.times) if start <= b <= end]
+    """The inter-chunk gaps within each request whose later chunk arrived within [start, end]."""
+    pairs = (p for s in streams for times in s.times for p in itertools.pairwise(times))
+    return [b - a for a, b in pairs if start <= b <= end]
 
 
 def prompt_of(srv: Server, tokens: int) -> str:
@@ -50,21 +55,21 @@ def prompt_of(srv: Server, tokens: int) -> str:
 
 
 def run_stream(srv: Server, model: str, stream: Stream, stop: threading.Event) -> None:
-    """A greedy stream that never ends by itself, read until `stop`."""
-    import http.client
-
+    """Greedy streamed requests of STREAM_TOKENS tokens, one after another until `stop`."""
     body = {"model": model, "prompt": "Count from one upwards, in words:", "max_tokens": STREAM_TOKENS}
     body |= {"temperature": 0, "ignore_eos": True, "stream": True}
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=600)
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {srv.key}"} if srv.key else {})
-    try:
-        conn.request("POST", COMPLETIONS, body=json.dumps(body), headers=headers)
-        resp = conn.getresponse()
-        while not stop.is_set() and (line := resp.readline()):
-            if line.startswith(b"data: {"):
-                stream.times.append(time.monotonic())
-    finally:
-        conn.close()
+    while not stop.is_set():
+        conn, times = http.client.HTTPConnection(srv.host, srv.port, timeout=600), []
+        stream.times.append(times)
+        try:
+            conn.request("POST", COMPLETIONS, body=json.dumps(body), headers=headers)
+            resp = conn.getresponse()
+            while not stop.is_set() and (line := resp.readline()):
+                if line.startswith(b"data: {"):
+                    times.append(time.monotonic())
+        finally:
+            conn.close()
 
 
 def measure(srv: Server, model: str, streams: int, echo_tokens: int, echo_n: int, prompt_tokens: int) -> dict:

@@ -194,22 +194,22 @@ class Worker:
         self.running.cancel_all()
 
     def _admit(self) -> None:
-        """Start waiting jobs while the batch has room; one that must wait for KV memory goes back to the
-        queue's front with those behind it, in order. An echo with more of its prompt to score goes back too,
-        but those behind it may start meanwhile."""
-        with self.cond:
-            admit = []
-            while self.pending and len(self.running) + len(admit) < self.max_batch:
-                admit.append(self.pending.popleft())
-            self.starting = len(admit)
-        back = []  # echo jobs with more to score; a job that must wait for KV memory, and those behind it
-        for k, job in enumerate(admit):
+        """Start waiting jobs, in order, while the batch has room; one that must wait for KV memory goes back to
+        the queue's front with those behind it. An echo with more of its prompt to score goes back too, taking no
+        room: those behind it may start meanwhile."""
+        back = []  # echo jobs with more to score, in order
+        while True:
+            with self.cond:
+                if not self.pending or len(self.running) >= self.max_batch:
+                    break
+                job, self.starting = self.pending.popleft(), 1
             started = self.running.start(job)
+            with self.cond:
+                self.starting = 0
+                if not started:
+                    self.pending.appendleft(job)
+                    break
             if started is SCORING:
                 back.append(job)
-            elif not started:
-                back += admit[k:]
-                break
         with self.cond:
-            self.starting = 0
             self.pending.extendleft(reversed(back))
