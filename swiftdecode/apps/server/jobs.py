@@ -27,6 +27,15 @@ class Prompt:
     ids: list[int] | None = None
     logprobs: list | None = None
     scorer: Any = None  # echo with logprobs: the logprobs.PromptScorer while its chunks are being scored
+    holder: Any = None  # ... and the one of its choices' jobs whose KV reservation covers the scorer's cache
+
+    def left(self, job: Job, batch: Any) -> None:
+        """A cancelled choice's `job` has left: it holds no reservation for the scorer, and `batch` (an
+        engine.batch.Batch) stops scoring the prompt (a choice still waiting takes it up again)."""
+        self.holder = None if self.holder is job else self.holder
+        if self.scorer is not None and batch.scorer is self.scorer:
+            batch.scorer = None
+
     grammar: Any = None  # the request's grammar, compiled once for its choices (grammar.Compiled)
 
 

@@ -130,13 +130,11 @@ class Running:
 
     def start(self, job: Job) -> bool | object:
         """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError). False: it must wait
-        for KV memory; SCORING (truthy): (echo) more of its prompt is to be scored after the others' next round;
-        the request is kept on the job. With echo the prompt is scored first, a chunk a call, inside the request's KV
-        reservation."""
+        for KV memory; SCORING (truthy): (echo) more of its prompt is to be scored in the next rounds, inside one
+        of its choices' KV reservation; the request is kept on the job."""
         if job.cancelled.is_set():
             self.release(job)
-            if job.prompt.scorer is not None and self.batch.scorer is job.prompt.scorer:  # its other choices, if
-                self.batch.scorer = None  # any are left, take it up again
+            job.prompt.left(job, self.batch)
             job.emit(END)
             self.metrics.count("cancelled")
             return True
@@ -149,8 +147,10 @@ class Running:
             if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
                 return False
             if job.echo and (answered := score(self.gen, job, self.metrics, self.batch)) is not False:
-                if answered is None:  # more to score after the others' next round: it keeps its entries meanwhile
-                    self.reserved.take(req, entries)
+                if answered is None:  # more to score: one of its choices' jobs holds the entries meanwhile
+                    if job.prompt.holder in (None, job):
+                        job.prompt.holder = job
+                        self.reserved.take(req, entries)
                     return SCORING
                 return True
             with self.lock:
