@@ -315,7 +315,8 @@ class Api:
         """A non-streamed response's JSON (off the event loop: an echoed prompt's logprobs are as long as it)."""
         said = self.echoed(*echo) if echo else None
         stats, tools = self.limits.response_stats, req.tools is not None
-        return json.dumps(responses.completion(head, chat, results, self.token_text, said, tools, stats))
+        body = responses.completion(head, chat, results, self.token_text, said, tools, stats)
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()  # as JSONResponse
 
     def echo_head(self, prompt: str | list[int], job: Job, chat: bool, text_of) -> tuple:
         """A stream's echoed prompt (responses.echo_head), built once for all choices, off the event loop."""
