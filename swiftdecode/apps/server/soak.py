@@ -328,18 +328,19 @@ def solo_answers(srv: Server, specs: list, tally: Tally) -> tuple[dict, list[str
 def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.seconds < 1 or args.warm_seconds < 0:
         raise UserError("--clients and --seconds must be >= 1, --warm-seconds >= 0")
+    shape = None
     if args.ray is not None:
         from swiftdecode.apps.bench.cli import ray_shapes
 
         if len(shapes := ray_shapes(args.ray)) != 1:
             raise UserError(f"--ray takes one shape RxT, got {args.ray!r}")
-        args.ray = shapes[0]
+        shape = shapes[0]
     proc, log_path = None, None
     if args.url:
         url = urlsplit(args.url if "//" in args.url else f"http://{args.url}")
         srv = Server(url.hostname or "127.0.0.1", url.port or 80, args.key, args.pid)
     else:
-        proc, srv, log_path = start_server(args)
+        proc, srv, log_path = start_server(args, shape)
     try:
         model = wait_ready(srv, proc, log_path)
         if args.stall:

@@ -107,8 +107,9 @@ def prefix_mb(srv: Server) -> float | None:
     return float(found[1]) / 2**20 if found else None
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, Server, str]:
-    """`swiftdecode serve` on a free port with a random key, its output in a log file."""
+def start_server(args: argparse.Namespace, ray: tuple[int, int] | None = None) -> tuple[subprocess.Popen, Server, str]:
+    """`swiftdecode serve` on a free port with a random key, its output in a log file; `ray`: (replicas, threads)
+    for `serve --ray`."""
     with socket.socket() as s:  # a free port: the kernel's pick for port 0
         s.bind(("127.0.0.1", 0))
         key, port = secrets.token_urlsafe(16), s.getsockname()[1]
@@ -124,7 +125,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, Server, st
         f"--api-key={key}",  # one argument: a key may begin with "-"
         "--max-batch",
         str(args.max_batch),
-        *(["--ray", "--replicas", str(args.ray[0]), "--threads", str(args.ray[1])] if args.ray else []),
+        *(["--ray", "--replicas", str(ray[0]), "--threads", str(ray[1])] if ray else []),
     ]
     with tempfile.NamedTemporaryFile(prefix="swiftdecode-soak-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
