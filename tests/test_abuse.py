@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -256,6 +257,39 @@ def test_a_long_echo_is_scored_between_the_others_rounds(gen, url, solo):
     idle(url)  # the worker is done: the generator's model is free for the reference
     got = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert got == [e.logprob for e in prompt_logprobs(gen.sm, ids, 1)[0]]  # chunks between rounds: the same entries
+
+
+def test_echoes_waiting_their_turn_to_be_scored_hold_no_room(gen):
+    """Two long echoes (scored one prompt at a time) and then a short request, under a KV budget that holds one
+    echo's prompt and the short request but not both prompts: the second echo waits its turn holding no KV cache,
+    so the short request is answered while the first echo is still being scored (it used to wait for the first
+    echo's end behind the second), and every answer is its solo answer."""
+    from swiftdecode.decoding.logprobs import PROMPT_CHUNK
+    from swiftdecode.decoding.request import ROUND_SLACK
+
+    def ids(text: str) -> list[int]:
+        return [int(t) for t in gen.tokenizer(text * 400).input_ids][: 12 * PROMPT_CHUNK]
+
+    first, second = ids("The quick brown fox jumps over the lazy dog. "), ids("A stitch in time saves nine. ")
+    short = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    entries = len(first) + 2 * ROUND_SLACK + 64  # one echo's prompt, and room for the short request
+    echo = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 0}
+    with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_bytes_per_token() / 2**30)) as base:
+        with ThreadPoolExecutor(2) as pool:
+            one = pool.submit(post, base, "/v1/completions", {**echo, "prompt": first}, None)
+            while metrics(base)["swiftdecode_kv_reserved_bytes"] == 0:  # the first echo is being scored
+                time.sleep(0.01)
+            two = pool.submit(post, base, "/v1/completions", {**echo, "prompt": second, "n": 2}, None)
+            while metrics(base)["swiftdecode_queue_depth"] < 2:
+                time.sleep(0.01)
+            answer = post(base, "/v1/completions", short, None)
+            assert answer.status_code == 200 and not one.done()
+            results = [one.result(), two.result()]
+        assert [len(r.json()["choices"]) for r in results] == [1, 2]
+        scored = [r.json()["choices"][0]["logprobs"]["token_logprobs"] for r in results]
+        assert [len(s) for s in scored] == [len(first), len(second)]
+        assert answer.json()["choices"][0]["text"] == gen.generate("Once upon a time", max_new_tokens=4).text
+        idle(base)
 
 
 # ---------------------------------------------------------------- 4. the prefix cache leaked other users' text

@@ -1,4 +1,4 @@
-"""Command line: `swiftdecode generate | chat | models | pull | bench | eval | serve | soak | doctor`."""
+"""Command line: `swiftdecode generate | chat | models | pull | bench | eval | serve | soak | doctor | synth`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ COMMANDS = {
     "serve": ("swiftdecode.apps.server.cli", "OpenAI-compatible HTTP server"),
     "soak": ("swiftdecode.apps.server.soak", "soak a live server with concurrent valid and abusive requests"),
     "doctor": ("swiftdecode.apps.doctor", "show the CPU matmul path and multi-token forward costs"),
+    "synth": (
+        "swiftdecode.apps.synth_cli",
+        "write a GGUF file of a published model's shape with random weights (speed work)",
+    ),
 }
 # torch installed by hand, pinned: an unpinned `torch` pulls a multi-GB CUDA build
 TORCH_HINT = "torch is not installed; pip install torch==2.13.0 (the CPU build)"

@@ -176,6 +176,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
     import torch
 
     from swiftdecode.runtime.fastpath import accelerate
+    from swiftdecode.runtime.lean import why_not
     from swiftdecode.runtime.model import SwiftModel
 
     if context < 1 or repeats < 1:
@@ -206,6 +207,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
         "layers": sm.layer_loop(),
+        "layers_why": why_not(model) or "the torch path" if sm.layer_loop() == "transformers" else None,
         "kv_bytes_per_token": sm.kv_bytes_per_token(),
         "context": context,
         "forward_ms": used["forward_ms"],
@@ -220,7 +222,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
 LAYER_LOOPS = {
     "native": "native loop (every layer in one C call: kernels/csrc/decoder.cpp)",
     "python": "lean Python loop over the kernel library (some projections are not quantized)",
-    "transformers": "transformers' modules (architecture without a lean forward, or the torch path)",
+    "transformers": "transformers' modules",
 }
 
 
@@ -234,7 +236,7 @@ def format_report(d: dict) -> str:
             if d["path"] == "torch"
             else []
         ),
-        f"layers:     {LAYER_LOOPS[d['layers']]}",
+        f"layers:     {LAYER_LOOPS[d['layers']]}" + (f": {d['layers_why']}" if d.get("layers_why") else ""),
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)",

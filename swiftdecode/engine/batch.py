@@ -46,6 +46,7 @@ class Batch:
         self.line = CostLine()  # seconds of a batched forward by its rows: how many copied tokens pay
         self.pacer = pacing.ChunkPacer()  # a joining prompt's rows per round beside decoding requests
         self.scorer = None  # a prompt scored for its log-probabilities (logprobs.PromptScorer), a chunk a round
+        self.last_work: str | None = None  # the kind of prompt work the last round did: kinds take turns
 
     def __len__(self) -> int:
         return len(self.active) + len(self.joining)
@@ -128,17 +129,21 @@ class Batch:
 
     def _prompt_chunk(self, decoding: bool) -> tuple[str | None, Part | None, bool]:
         """This round's prompt rows, one kind a round, paced beside `decoding` requests: (kind, rows, whether
-        they end the prompt). A chunk of the first joining request's prompt ("prefill"), else of the prompt being
-        scored ("score"), else (None, None, False)."""
+        they end the prompt). A chunk of the first joining request's prompt ("prefill") or of the prompt being
+        scored ("score"), taking turns when both wait (joining requests arriving all the time starved a prompt
+        being scored), else (None, None, False)."""
         if decoding and self.pacer.decode_s is None:  # a round of the decoding requests alone is measured first
             return None, None, False
-        if self.joining:
+        scoring = self.scorer is not None and not self.scorer.done
+        if self.joining and not (scoring and self.last_work == "prefill"):
+            self.last_work = "prefill"
             joiner = self.joining[0]
             done, goal = self.prefilled[joiner], len(joiner.ctx) - 1 if joiner.resumed else len(joiner.ids)
             end = min(done + self.pacer.rows("prefill", decoding), goal)
             causal = torch.ones(end - done, end - done, dtype=torch.bool).tril_()
             return "prefill", (joiner.ctx[done:end], torch.arange(done, end), causal, joiner.cache), end == goal
-        if self.scorer is not None and not self.scorer.done:
+        if scoring:
+            self.last_work = "score"
             return "score", self.scorer.part(self.pacer.rows("score", decoding)), False
         return None, None, False
 

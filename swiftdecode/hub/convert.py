@@ -31,7 +31,31 @@ def read_meta(gguf: Path, progress: bool):
         tokenizer.chat_template = _gguf_field(gguf, "tokenizer.chat_template")
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if config.model_type == "phi3":
+        _phi3_rope(config, gguf)
     return tokenizer, config
+
+
+def _phi3_rope(config, gguf: Path) -> None:
+    """What transformers' GGUF reader leaves out of a Phi-3/Phi-4 config: the partial rotary (the rotated dims,
+    `phi3.rope.dimension_count`) and LongRoPE's per-frequency factors (`rope_factors_short`/`_long` tensors, with
+    the original context and the attention factor)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    value = lambda key: None if (f := reader.fields.get(f"phi3.{key}")) is None else f.contents()
+    rope = dict(config.rope_parameters or {})
+    if (dims := value("rope.dimension_count")) is not None:
+        rope["partial_rotary_factor"] = dims / (config.hidden_size // config.num_attention_heads)
+    factors = {t.name: [float(v) for v in t.data] for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        rope |= {"rope_type": "longrope", "short_factor": factors.get("rope_factors_short.weight")}
+        rope["long_factor"] = factors.get("rope_factors_long.weight")
+        if (attn := value("rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = attn
+        original = value("rope.scaling.original_context_length") or config.max_position_embeddings
+        config.original_max_position_embeddings = rope["original_max_position_embeddings"] = original
+    config.rope_parameters = rope
 
 
 def fp32_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:

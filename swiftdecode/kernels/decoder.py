@@ -1,4 +1,5 @@
-"""ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers in one native call over quantized weights.
+"""ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers (Qwen3's query/key norms included) in one
+native call over quantized weights.
 
 The layer table (weight descriptors, biases, norm weights) is bound once; a call passes the rows, the rotary
 tables, each sequence's mask and each (sequence, layer) cache buffer. The loop runs the same kernels in the same
@@ -22,11 +23,12 @@ SKIP_ATTN, SKIP_MLP = 1, 2  # csrc per-layer skip flags
 
 class _Config(ctypes.Structure):
     _fields_ = [*((n, _I) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")), ("eps", _F), ("scale", _F)]
-    _fields_ += [("kv_half", _I)]
+    _fields_ += [("kv_half", _I), ("rot_dim", _I)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("w", _P * N_WEIGHTS), ("b", _P * N_WEIGHTS), ("norm_attn", _P), ("norm_mlp", _P)]
+    _fields_ += [("norm_q", _P), ("norm_k", _P)]
 
 
 class _Ops(ctypes.Structure):
@@ -45,12 +47,16 @@ class KVEntry(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer's quantized projections (q, k, v, o, gate, up, down), their biases and its two norm weights."""
+    """One layer's quantized projections (q, k, v, o, gate, up, down; Phi-3: k, v None where q is q, k, v fused,
+    up None where gate is gate, up fused), their biases, its two norm weights [hidden] and (Qwen3) its per-head
+    query and key norm weights [head_dim]."""
 
-    weights: tuple[QuantWeight, ...]
+    weights: tuple[QuantWeight | None, ...]
     biases: tuple[torch.Tensor | None, ...]
     norm_attn: torch.Tensor
     norm_mlp: torch.Tensor
+    norm_q: torch.Tensor | None = None
+    norm_k: torch.Tensor | None = None
 
 
 class FusedDecoder:
@@ -58,7 +64,8 @@ class FusedDecoder:
 
     def __init__(self, qkernel: QKernel, layers: list[LayerWeights], dims: dict, ops: dict[str, int]):
         """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats), kv_half (the caches hold
-        fp16 keys/values); ops: the fp32 kernel library's entry points (kernels/fp32.py: Kernel.addresses)."""
+        fp16 keys/values), rot_dim (each head's rotated dims); ops: the fp32 kernel library's entry points
+        (kernels/fp32.py: Kernel.addresses)."""
         self.layers, self.n_layers = layers, len(layers)
         self.config = _Config(**dims)
         self.ops = _Ops(**ops)
@@ -66,10 +73,12 @@ class FusedDecoder:
         self.table = (_Layer * len(layers))(
             *(
                 _Layer(
-                    (_P * N_WEIGHTS)(*(desc_address(w) for w in lw.weights)),
+                    (_P * N_WEIGHTS)(*(None if w is None else desc_address(w) for w in lw.weights)),
                     (_P * N_WEIGHTS)(*(ptr(b) for b in lw.biases)),
                     lw.norm_attn.data_ptr(),
                     lw.norm_mlp.data_ptr(),
+                    ptr(lw.norm_q),
+                    ptr(lw.norm_k),
                 )
                 for lw in layers
             )
@@ -88,7 +97,7 @@ class FusedDecoder:
         tables: list,
         scratch: torch.Tensor,
     ) -> None:
-        """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, head_dim]; skip: a flag
+        """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, rot_dim]; skip: a flag
         byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; tables: per sequence its
         cache's KVEntry array (one per layer; buffers [kv_heads, capacity, head_dim] with room for the
         sequence's rows), whose lengths the loop advances where a layer's attention runs; scratch: the

@@ -28,6 +28,7 @@ FORMATS = {
     "Q6_K": (7, 2, 256),
 }
 PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
+LAYOUT_VERSION = 1  # of the planes (_planes, csrc/qgemm.cpp): change it with them, so no cached layout reads stale
 CHUNK_ROWS = 4096  # rows decoded at a time at load (a multiple of LANES): bounds the load's transient memory
 
 

@@ -46,7 +46,7 @@ class SwiftModel:
         self.max_length = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.draft_ids: torch.Tensor | None = None
         self.draft_weight: torch.Tensor | QuantWeight | None = None
-        self.lean = lean.LeanDecoder(model) if lean.supported(model) else None
+        self.lean = lean.LeanDecoder(model) if lean.why_not(model) is None else None
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's keys and values take in the cache, all layers."""

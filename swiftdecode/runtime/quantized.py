@@ -3,10 +3,15 @@ blocks (`QuantLinear`, `QuantEmbedding`); norms and biases are float32 as stored
 quantized weight exists at any time: the model is built with empty (meta) parameters, then each GGUF tensor
 is decoded straight into the kernel's planes. transformers' GGUF name map and tensor processors give each
 tensor its HF parameter and any row permutation (Llama's q/k heads) or value fix-up (Gemma's norms).
+
+The planes are laid out once per GGUF and kept in the model's cache entry (kernels/layout_cache.py): later loads
+memory-map them, so a start costs no layout and the weights are page-cache pages rather than a private copy.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +19,13 @@ import torch
 from torch import nn
 
 from swiftdecode.base.errors import UserError
-from swiftdecode.kernels.gguf_index import read_index
+from swiftdecode.kernels.gguf_index import TensorInfo, read_index
+from swiftdecode.kernels.layout_cache import LAYOUT_FILE, LayoutWriter, layout_key, read_layout
 from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
 from swiftdecode.kernels.qgemm import QKernel
 from swiftdecode.kernels.qweight import FORMATS, QuantWeight
+
+LAYOUT_CACHE_ENV = "SWIFTDECODE_LAYOUT_CACHE"  # "0": lay the weights out at every load, never read or write a cache
 
 
 def _processor(arch: str, config):
@@ -63,9 +71,38 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def build(gguf: Path, folder: Path, kernel: QKernel, progress: bool = False) -> nn.Module:
     """The model of `gguf` (config and tokenizer in `folder`) on the quantized path, in eval mode."""
-    from accelerate import init_empty_weights
     from gguf.quants import dequantize
-    from tqdm import tqdm
+
+    config, model = _empty_model(folder)
+    meta, tensors = read_index(gguf)
+    arch = str(meta.get("general.architecture"))
+    processor = _processor(arch, config)
+    names = _names(model, arch, config.get_text_config().num_hidden_layers)
+    quantized, rest = _split(model, tensors, names)
+    specs = [(t, _row_order(processor, t.name, int(t.shape[1]))) for t, _, _ in quantized]
+    weights = _quant_weights(gguf, folder, specs, progress)
+    for t, path, module in quantized:
+        if isinstance(module, nn.Embedding):
+            new = QuantEmbedding(weights[t.name], kernel, getattr(module, "scalar_embed_scale", None))
+        else:
+            new = QuantLinear(weights[t.name], None, kernel)
+        _set(model, path, new)
+    for t, path, pname in rest:
+        values = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
+        values = processor.process(weights=values, name=t.name, tensor_key_mapping={}, parsed_parameters={}).weights
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32))
+        setattr(model.get_submodule(path), pname, nn.Parameter(tensor, requires_grad=False))
+    _tie_output(model)
+    _rope_factors(model, tensors)
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise UserError(f"{gguf.name} lacks tensors for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    return model.eval()
+
+
+def _empty_model(folder: Path):
+    """(config, model with empty (meta) parameters) of the HF folder `folder`."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
@@ -75,10 +112,12 @@ def build(gguf: Path, folder: Path, kernel: QKernel, progress: bool = False) -> 
         model.generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:
         pass
-    meta, tensors = read_index(gguf)
-    arch = str(meta.get("general.architecture"))
-    processor = _processor(arch, config)
-    names = _names(model, arch, config.get_text_config().num_hidden_layers)
+    return config, model
+
+
+def _split(model: nn.Module, tensors: list[TensorInfo], names: dict[str, str]):
+    """([(tensor, module path, module)] of the weights the kernel computes from, [(tensor, module path, parameter
+    name)] of the rest (dequantized to float32)); tensors without an HF parameter are left out."""
     quantized, rest = [], []
     for t in tensors:
         hf = names.get(t.name)
@@ -86,29 +125,58 @@ def build(gguf: Path, folder: Path, kernel: QKernel, progress: bool = False) -> 
             continue
         path, _, pname = hf.rpartition(".")
         module = model.get_submodule(path)
-        kind = t.tensor_type.name
-        if kind in FORMATS and pname == "weight" and isinstance(module, nn.Linear | nn.Embedding):
+        if t.tensor_type.name in FORMATS and pname == "weight" and isinstance(module, nn.Linear | nn.Embedding):
             quantized.append((t, path, module))
         else:
             rest.append((t, path, pname))
-    for t, path, module in tqdm(quantized, desc="loading quantized weights", disable=not progress):
-        k, n = (int(s) for s in t.shape)
-        qw = QuantWeight.from_gguf(t.tensor_type.name, t, n, k, _row_order(processor, t.name, n))
-        if isinstance(module, nn.Embedding):
-            new = QuantEmbedding(qw, kernel, getattr(module, "scalar_embed_scale", None))
-        else:
-            new = QuantLinear(qw, None, kernel)
-        _set(model, path, new)
-    for t, path, pname in rest:
-        values = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
-        values = processor.process(weights=values, name=t.name, tensor_key_mapping={}, parsed_parameters={}).weights
-        tensor = torch.from_numpy(np.array(values, dtype=np.float32))
-        setattr(model.get_submodule(path), pname, nn.Parameter(tensor, requires_grad=False))
-    _tie_output(model)
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise UserError(f"{gguf.name} lacks tensors for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    return model.eval()
+    return quantized, rest
+
+
+def _quant_weights(
+    gguf: Path, folder: Path, specs: list[tuple[TensorInfo, np.ndarray | None]], progress: bool
+) -> dict[str, QuantWeight]:
+    """GGUF tensor name -> its weight, for `specs` [(tensor, row order or None)]: memory-mapped from the layout
+    cache in `folder` where it holds this GGUF's layout, else laid out from the GGUF's blocks and cached (in
+    memory only where the folder cannot take the cache, or $SWIFTDECODE_LAYOUT_CACHE is 0)."""
+    from tqdm import tqdm
+
+    def lay():
+        for t, rows in tqdm(specs, desc="loading quantized weights", disable=not progress):
+            k, n = (int(s) for s in t.shape)
+            yield t.name, QuantWeight.from_gguf(t.tensor_type.name, t, n, k, rows)
+
+    if os.environ.get(LAYOUT_CACHE_ENV) == "0":
+        return dict(lay())
+    file = folder / LAYOUT_FILE
+    key = layout_key(gguf, [(t.name, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]), rows) for t, rows in specs])
+    cached = read_layout(file, key)
+    if cached is not None and cached.keys() == {t.name for t, _ in specs}:
+        return cached
+    try:
+        with LayoutWriter(file, key, sum(t.n_rows * t.row_bytes for t, _ in specs)) as writer:
+            print(f"swiftdecode: laying out {gguf.name} for the kernel once; caching it in {file}", file=sys.stderr)
+            for name, w in lay():
+                writer.add(name, w)
+            writer.commit()
+    except OSError as e:
+        why = e.strerror or e
+        print(f"swiftdecode: cannot cache the kernel layout in {folder} ({why}); loading without it", file=sys.stderr)
+        return dict(lay())
+    return read_layout(file, key) or dict(lay())
+
+
+def _rope_factors(model: nn.Module, tensors: list[TensorInfo]) -> None:
+    """Llama 3's rotary scaling as its GGUF stores it: per-frequency factors (`rope_freqs` [head_dim / 2]) that
+    divide the rotary's inverse frequencies, as llama.cpp applies them (transformers' GGUF reader drops them)."""
+    t = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return
+    rope = model.get_decoder().rotary_emb
+    factors = torch.from_numpy(np.ascontiguousarray(t.data).view(np.float32).reshape(-1).copy())
+    if factors.shape != rope.inv_freq.shape:
+        raise UserError(f"rope_freqs has {factors.numel()} factors for {rope.inv_freq.numel()} rotary frequencies")
+    rope.inv_freq = rope.inv_freq / factors
+    rope.original_inv_freq = rope.inv_freq.clone()
 
 
 def _tie_output(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ class Prompt:
     logprobs: list | None = None
     scorer: Any = None  # echo with logprobs: the logprobs.PromptScorer while its chunks are being scored
     holder: Any = None  # ... and the one of its choices' jobs whose KV reservation covers the scorer's cache
+    queued: bool = False  # the request has its place in the worker's queue: its other choices join it there
 
     def left(self, job: Job, batch: Any) -> None:
         """A cancelled choice's `job` has left: it holds no reservation for the scorer, and `batch` (an

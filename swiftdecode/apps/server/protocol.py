@@ -25,7 +25,7 @@ LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOP = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` at most, as OpenAI
-MAX_N = 16  # choices per request at most: each is a request of its own in the batch (and in the queue)
+MAX_N = 16  # choices per request at most: each is a request of its own in the batch (the queue: one place for all)
 MAX_TEMPERATURE = 2  # OpenAI's range is [0, 2]; the engine itself takes any temperature >= 0
 UNTIL_EOS = 2**31 - 1  # chat's default max_tokens, as OpenAI: the engine stops at EOS or the end of the context
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI

@@ -59,16 +59,28 @@ def engine_request(gen: Generator, job: Job):
     return gen.request(encoded(gen, job.prompt), **job.params | at_least_one | grammar(gen, job.prompt, job.params))
 
 
+def waits_to_score(job: Job, batch: Batch) -> bool:
+    """An echo whose prompt is still to be scored while the batch scores another's: it waits its turn, holding no
+    scorer (its cache) and no KV reservation, and the jobs behind it may start meanwhile."""
+    prompt, scorer = job.prompt, job.prompt.scorer
+    if job.params["params"].logprobs is None or prompt.logprobs is not None:
+        return False
+    if scorer is not None and (scorer.done or batch.scorer is scorer):
+        return False
+    return batch.scorer is not None and not batch.scorer.done
+
+
 def score(gen: Generator, job: Job, metrics: Metrics, batch: Batch) -> bool | None:
-    """Echo with logprobs: the prompt's entries, scored once for all its choices, a chunk in each of the batch's
-    rounds (`Batch.scorer`, one prompt at a time, paced beside the decoding requests) (None: chunks remain).
-    Once scored, its cache goes to the prefix store under the request's salt, so its prefill copies it. A job
-    that asks for no new tokens is answered here (True)."""
+    """Echo with logprobs, the scorer's place free or its own (see `waits_to_score`): the prompt's entries, scored
+    once for all its choices, a chunk in each of the batch's rounds (`Batch.scorer`, one prompt at a time, paced
+    beside the decoding requests) (None: chunks remain). Once scored, its cache goes to the prefix store under
+    the request's salt, so its prefill copies it. A job that asks for no new tokens is answered here (True)."""
     prompt, k = job.prompt, job.params["params"].logprobs
     if k is not None and prompt.logprobs is None:
-        prompt.scorer = prompt.scorer or gen.prompt_scorer(prompt.ids, k)
+        scorer = prompt.scorer
+        if scorer is None or batch.scorer is not scorer and not scorer.done:  # the place is free: it takes it
+            prompt.scorer = batch.scorer = scorer or gen.prompt_scorer(prompt.ids, k)
         if not prompt.scorer.done:
-            batch.scorer = batch.scorer if batch.scorer is not None and not batch.scorer.done else prompt.scorer
             return None
         batch.scorer = None if batch.scorer is prompt.scorer else batch.scorer
         prompt.logprobs, cache, prompt.scorer = prompt.scorer.entries, prompt.scorer.cache, None
@@ -122,8 +134,7 @@ class Running:
         per_token, exact = gen.kv_cost()  # exact: a dropped cache is recomputed exactly, so reservations may grow
         self.reserved = Reservations(int(kv_gb * 2**30), per_token, exact, lock)
         self.batch = Batch(gen)
-        self.starved: set = set()  # requests that could not grow their KV reservation in the last round
-        self.waiting: set = set()  # requests that sat out the last round (starved, or their reader lags)
+        self.starved, self.waiting = set(), set()  # last round: could not grow their KV; sat out (or a slow reader)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -131,7 +142,7 @@ class Running:
     def start(self, job: Job) -> bool | object:
         """Validate and prefill a job; it joins the batch (or fails alone, with an ApiError). False: it must wait
         for KV memory; SCORING (truthy): (echo) more of its prompt is to be scored in the next rounds, inside one
-        of its choices' KV reservation; the request is kept on the job."""
+        of its choices' KV reservation, or it waits its turn to be scored; the request is kept on the job."""
         if job.cancelled.is_set():
             self.release(job)
             job.prompt.left(job, self.batch)
@@ -144,6 +155,8 @@ class Running:
                 job.request = engine_request(self.gen, job)
             req, entries = job.request, self.reserved.first(job.request)
             self.release(job)  # a prompt being scored held its entries since the last call
+            if job.echo and waits_to_score(job, self.batch):
+                return SCORING
             if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
                 return False
             if job.echo and (answered := score(self.gen, job, self.metrics, self.batch)) is not False:

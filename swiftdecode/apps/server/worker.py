@@ -42,9 +42,10 @@ def take_late(pending: deque[Job], timeout_s: float) -> list[Job]:
 
 
 def expire(running: Running, late: list[Job], timeout_s: float, metrics: Metrics) -> None:
-    """End queued jobs past the request timeout (504), with any KV entries they hold."""
+    """End queued jobs past the request timeout (504), with any KV entries they hold and any prompt they score."""
     for job in late:
         running.release(job)
+        job.prompt.left(job, running.batch)
     if late:
         fail(late, timeout_error(timeout_s), metrics, "timeout")
 
@@ -58,15 +59,20 @@ def end_waiting(pending: deque[Job], error: ApiError) -> None:
     pending.clear()
 
 
+def requests_in(pending: deque[Job]) -> int:
+    """Requests waiting (under the worker's `cond`): a request's choices take one place in the queue together."""
+    return len({job.prompt for job in pending})
+
+
 def queue_full(running: int, queued: int, wait_s: int) -> ApiError:
     message = f"server busy: {running} requests running, {queued} queued, retry later"
     return ApiError(429, message, None, "queue_full", {"Retry-After": str(wait_s)})
 
 
 class Worker:
-    """One daemon thread decoding up to `max_batch` jobs together, admitted in arrival order; at most
-    `max_queue` more wait, beyond that 429. A cancelled job (client gone) leaves the batch before the next
-    round. `submit`, `cancel`, `depth` and `close` are called from the event loop."""
+    """One daemon thread decoding up to `max_batch` jobs together, admitted in arrival order; at most `max_queue`
+    more requests wait (see `requests_in`), beyond that 429. A cancelled job (client gone) leaves the batch before
+    the next round. `submit`, `cancel`, `depth` and `close` are called from the event loop."""
 
     def __init__(
         self,
@@ -82,8 +88,7 @@ class Worker:
         self.running = Running(gen, metrics, self.cond, timeout_s, kv_gb)
         self.pending: deque[Job] = deque()
         self.starting = 0  # jobs taken from the queue, being validated and prefilled
-        self.closed = False
-        self.draining = False  # the server is stopping (see `drain`)
+        self.closed, self.draining = False, False  # draining: the server is stopping (see `drain`)
         release_thread_pool()  # the worker thread runs the kernels from now on: one OpenMP pool, not two
         self.warm = threading.Event()  # set once the worker's warm-up forward is done (the server is ready then)
         self.failure: Exception | None = None  # what stopped the thread (warm-up included), if anything did
@@ -98,10 +103,11 @@ class Worker:
         with self.cond:
             if self.closed or self.draining or not self.alive:
                 raise ApiError(503, "the generation worker has stopped" if not self.alive else SHUTTING_DOWN)
-            free = max(self.max_batch - len(self.running) - self.starting, 0)
-            if len(self.pending) >= self.max_queue + free:
-                mean_s, ahead = self.metrics.mean_seconds(), len(self.pending) - free + 1
-                raise queue_full(len(self.running), len(self.pending), max(1, round(mean_s * ahead / self.max_batch)))
+            free, queued = max(self.max_batch - len(self.running) - self.starting, 0), requests_in(self.pending)
+            if not job.prompt.queued and queued >= self.max_queue + free:
+                mean_s, ahead = self.metrics.mean_seconds(), queued - free + 1
+                raise queue_full(len(self.running), queued, max(1, round(mean_s * ahead / self.max_batch)))
+            job.prompt.queued = True
             self.pending.append(job)
             self.cond.notify()
 
@@ -116,11 +122,11 @@ class Worker:
             self.cond.notify()
 
     def depth(self) -> tuple[int, int, int, dict[str, int]]:
-        """(jobs queued, jobs running or starting, KV cache bytes the running ones have reserved, the engine's
+        """(requests queued, jobs running or starting, KV cache bytes the running ones have reserved, the engine's
         bytes kept across requests: `Generator.memory`)."""
         with self.cond:
-            reserved = self.running.reserved.bytes
-            return len(self.pending), len(self.running) + self.starting, reserved, self.running.gen.memory()
+            reserved, queued = self.running.reserved.bytes, requests_in(self.pending)
+            return queued, len(self.running) + self.starting, reserved, self.running.gen.memory()
 
     def drain(self, seconds: float) -> None:
         """The server is stopping (SIGTERM, Ctrl-C): no new jobs (503), the waiting ones end with 503 now, the

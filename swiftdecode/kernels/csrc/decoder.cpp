@@ -1,4 +1,5 @@
-// A Llama-family decoder's layers (pre-norm RMSNorm, rotary, grouped-query attention, SiLU-gated MLP) in one
+// A Llama-family decoder's layers (pre-norm RMSNorm, rotary, grouped-query attention, SiLU-gated MLP; Qwen3's
+// per-head query/key norms; Phi-3's fused projections and partial rotary) in one
 // native call over block-quantized weights, for one or more sequences each on its own KV cache.
 //
 // Why: at 1-8 rows a small model's layer spends ~0.4 ms in its seven projections, and driving the dozen kernel
@@ -22,13 +23,16 @@ struct DecConfig {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   float eps, scale;
   int64_t kv_half;  // the caches hold keys/values as fp16 (else fp32)
+  int64_t rot_dim;  // each head's first rot_dim dims are rotated (head_dim, or less: Phi-4's partial rotary)
 };
 
-struct DecLayer {
+struct DecLayer {  // w[W_K], w[W_V] null: w[W_Q] is q, k, v fused (Phi-3); w[W_UP] null: w[W_GATE] is gate, up fused
   const QWDesc* w[N_W];
   const float* b[N_W];  // biases or null
   const float* norm_attn;
   const float* norm_mlp;
+  const float* norm_q;  // per-head RMSNorm of queries and keys before rotary (Qwen3), or null
+  const float* norm_k;
 };
 
 struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound from Python
@@ -77,6 +81,34 @@ static void project(const DecLayer& L, const int* which, int n, const float* in,
   SD_QNAME(sd_qlinear, SD_QISA)(w, b, out, n, in, R, nthreads);
 }
 
+// A fused projection's rows [R, sum of widths] split into its parts' buffers [R, width_i].
+static void split_rows(const float* in, int64_t R, float* const* out, const int64_t* widths, int n) {
+  int64_t total = 0;
+  for (int i = 0; i < n; i++) total += widths[i];
+  for (int64_t r = 0; r < R; r++)
+    for (int i = 0, off = 0; i < n; off += widths[i], i++)
+      memcpy(out[i] + r * widths[i], in + r * total + off, widths[i] * sizeof(float));
+}
+
+// q, k, v (or gate, up) of the layer's input h: three (two) projections in one kernel call, or the fused weight's
+// one projection split into them (the same bits: each output row's dot products do not depend on the others).
+static void project_parts(const DecLayer& L, const int* which, int n, const float* h, float* const* out,
+                          const int64_t* widths, int64_t R, float* fused, int nthreads) {
+  if (L.w[which[1]]) return project(L, which, n, h, out, R, nthreads);
+  float* one[1] = {fused};
+  project(L, which, 1, h, one, R, nthreads);
+  split_rows(fused, R, out, widths, n);
+}
+
+// Rotary on each head's first rot_dim dims of x [R, heads, D] (cos/sin [R, rot_dim]).
+static void rotate(const DecConfig& c, const DecOps& ops, float* x, const float* cos_, const float* sin_, int64_t R,
+                   int64_t heads) {
+  const int64_t D = c.head_dim, rot = c.rot_dim;
+  if (rot == D) return ops.rope(x, cos_, sin_, R, heads, D);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t h = 0; h < heads; h++) ops.rope(x + (r * heads + h) * D, cos_ + r * rot, sin_ + r * rot, 1, 1, rot);
+}
+
 // Appends each sequence's new keys/values to its cache (advancing the entry's length) and runs attention of all
 // rows; q [R, heads * D] in, att [R, heads * D] out. kv[j][l]: sequence j's entry of this layer l.
 static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, DecKV* const* kv,
@@ -108,7 +140,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
                      scratch, max_t, nthreads, (int)c.kv_half);
 }
 
-// x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, head_dim];
+// x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, rot_dim];
 // skip [n_layers] flags; kv[j]: sequence j's entries, one per layer; scratch: attention's, for the longest cache.
 // Skipped sublayers neither run nor touch their cache; the layers whose attention ran advance their lengths.
 extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer* layers, int64_t n_layers,
@@ -117,15 +149,19 @@ extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer
                                               DecKV* const* kv, float* scratch, int nthreads) {
   const int64_t H = c->hidden, QD = c->heads * c->head_dim, KD = c->kv_heads * c->head_dim, I = c->inter;
   std::vector<float> h(R * H), q(R * QD), k(R * KD), v(R * KD), att(R * QD), o(R * H), g(R * I), u(R * I);
+  std::vector<float> fused(R * std::max(QD + 2 * KD, 2 * I));  // a fused projection's output, before its split
+  const int64_t qkv_widths[3] = {QD, KD, KD}, gu_widths[2] = {I, I};
   static const int QKV[3] = {W_Q, W_K, W_V}, O[1] = {W_O}, GATE_UP[2] = {W_GATE, W_UP}, DOWN[1] = {W_DOWN};
   for (int64_t l = 0; l < n_layers; l++) {
     const DecLayer& L = layers[l];
     if (!(skip[l] & SKIP_ATTN)) {
       ops->rmsnorm(x, L.norm_attn, h.data(), R, H, c->eps, nthreads);
       float* qkv[3] = {q.data(), k.data(), v.data()};
-      project(L, QKV, 3, h.data(), qkv, R, nthreads);
-      ops->rope(q.data(), cos_, sin_, R, c->heads, c->head_dim);
-      ops->rope(k.data(), cos_, sin_, R, c->kv_heads, c->head_dim);
+      project_parts(L, QKV, 3, h.data(), qkv, qkv_widths, R, fused.data(), nthreads);
+      if (L.norm_q) ops->rmsnorm(q.data(), L.norm_q, q.data(), R * c->heads, c->head_dim, c->eps, nthreads);
+      if (L.norm_k) ops->rmsnorm(k.data(), L.norm_k, k.data(), R * c->kv_heads, c->head_dim, c->eps, nthreads);
+      rotate(*c, *ops, q.data(), cos_, sin_, R, c->heads);
+      rotate(*c, *ops, k.data(), cos_, sin_, R, c->kv_heads);
       attend(*c, *ops, seqs, nseq, kv, l, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
       float* out[1] = {o.data()};
       project(L, O, 1, att.data(), out, R, nthreads);
@@ -134,7 +170,7 @@ extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer
     if (!(skip[l] & SKIP_MLP)) {
       ops->rmsnorm(x, L.norm_mlp, h.data(), R, H, c->eps, nthreads);
       float* gu[2] = {g.data(), u.data()};
-      project(L, GATE_UP, 2, h.data(), gu, R, nthreads);
+      project_parts(L, GATE_UP, 2, h.data(), gu, gu_widths, R, fused.data(), nthreads);
       ops->silu_mul(g.data(), u.data(), R * I, nthreads);
       float* out[1] = {o.data()};
       project(L, DOWN, 1, g.data(), out, R, nthreads);
