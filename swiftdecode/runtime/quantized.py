@@ -171,8 +171,10 @@ def _rope_factors(model: nn.Module, tensors: list[TensorInfo]) -> None:
     t = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     if t is None:
         return
+    from gguf.quants import dequantize
+
     rope = model.get_decoder().rotary_emb
-    factors = torch.from_numpy(np.ascontiguousarray(t.data).view(np.float32).reshape(-1).copy())
+    factors = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
     if factors.shape != rope.inv_freq.shape:
         raise UserError(f"rope_freqs has {factors.numel()} factors for {rope.inv_freq.numel()} rotary frequencies")
     rope.inv_freq = rope.inv_freq / factors
