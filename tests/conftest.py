@@ -36,8 +36,17 @@ def qwen():
 
 
 @pytest.fixture(scope="session")
+def smollm_torch():
+    """(model, tokenizer) of SmolLM2-135M-Instruct on torch's path: its layers run through transformers' modules
+    (not batch-invariant), the path a model takes where our kernels cannot run it."""
+    import swiftdecode
+
+    return swiftdecode.load("smollm2-135m", fast_path="torch", progress=False)
+
+
+@pytest.fixture(scope="session")
 def gemma():
-    """(model, tokenizer) of Gemma-3-270M (base model; sliding-window attention, runs through transformers)."""
+    """(model, tokenizer) of Gemma-3-270M (base model; sliding-window layers, GeGLU, four norms a layer)."""
     import swiftdecode
 
     return swiftdecode.load("gemma3-270m", progress=False)

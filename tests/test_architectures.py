@@ -12,12 +12,16 @@ from swiftdecode import Generator
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel
 
-NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3")  # the shapes whose architectures run natively
+# the shapes whose architectures run natively (tiny-gemma3's window, 16 tokens, is shorter than the tests' contexts)
+NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3", "tiny-smollm3", "tiny-gemma3")
 # Our forward quantizes each row's activations to int8 per 32 values (as llama.cpp does); transformers dequantizes
 # the same blocks to float32 and multiplies in float32. On these files (logits' standard deviation ~0.32) the mean
 # difference measured 0.7-1.4% of that spread and the largest 5-14%: the bounds leave room for the seeds' spread.
 MEAN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.25  # |ours - HF|, mean and max, over the logits' standard deviation
 CLEAR_MARGIN = 0.1  # positions whose HF top token leads the next by this (x std) must pick it here too
+# On the same float32 weights only the order of float operations differs: measured max 4e-6 to 7e-6 of the spread.
+FLOAT_TOLERANCE = 1e-4  # |ours - HF| max over the logits' standard deviation, lean loop on float32 weights
+F32 = torch.float32
 
 
 @pytest.fixture(scope="module", params=NATIVE)
@@ -34,15 +38,43 @@ def tiny(request, tmp_path_factory):
     return request.param, entry, path, loaded
 
 
+def reference_model(path, config) -> torch.nn.Module:
+    """transformers' float32 model of the GGUF's blocks under `config`: read by transformers' GGUF reader, or, for
+    an architecture it lacks (SmolLM3, stored as llama's), built from the config and given gguf's dequantized
+    blocks under gguf's tensor names, the q/k rows un-permuted by transformers' llama processor."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    from swiftdecode.hub.convert import LLAMA_LIKE
+
+    if config.model_type not in LLAMA_LIKE:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=F32)
+    model = AutoModelForCausalLM.from_config(config, dtype=F32)
+    arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == config.model_type)
+    names, processor = get_tensor_name_map(arch, config.num_hidden_layers), TENSOR_PROCESSORS["llama"](config.to_dict())
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    state = {}
+    for hf in model.state_dict():
+        base, _, suffix = hf.rpartition(".")
+        if (t := tensors.get(f"{names.get_name(base)}.{suffix}")) is not None:
+            values = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+            values = processor.process(weights=values, name=t.name, tensor_key_mapping={}, parsed_parameters={}).weights
+            state[hf] = torch.from_numpy(values.astype("float32"))
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert missing == (["lm_head.weight"] if config.tie_word_embeddings else []), missing
+    return model
+
+
 def hf_logits(entry, path, ids: list[int]) -> torch.Tensor:
     """transformers' float32 forward of the GGUF's blocks, with our cache entry's config (which adds what its GGUF
     reader leaves out: Phi-3's partial rotary) and Llama 3's rotary factors (`rope_freqs`) applied as llama.cpp
     applies them."""
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(entry)
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+    ref = reference_model(path, AutoConfig.from_pretrained(entry))
     factors = [t.data for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
     if factors:
         rope = ref.model.rotary_emb
@@ -64,6 +96,27 @@ def test_the_architecture_runs_natively_and_close_to_transformers(tiny):
     top2 = ref.topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > CLEAR_MARGIN * std
     assert clear.sum() >= len(ids) // 4 and (ours.argmax(-1) == ref.argmax(-1))[clear].all(), name
+
+
+def test_the_lean_loop_on_float_weights_is_transformers_forward(tiny):
+    """The lean loop (Python, on the fast path's float32 kernels) over the same float32 weights as transformers'
+    model gives its logits to float rounding: the architecture's anatomy (norms, rotary tables, NoPE and
+    sliding-window layers, activation) is transformers', which the int8 rows' noise on the quantized path would
+    hide (a NoPE layer given rotary moved the quantized parity 0.3% of the spread, here 1000x the bound)."""
+    from transformers import AutoConfig
+
+    from swiftdecode.runtime import fastpath
+
+    name, entry, path, _ = tiny
+    config, ids = AutoConfig.from_pretrained(entry), list(range(300, 340))
+    ref, ours = (reference_model(path, config).eval() for _ in range(2))
+    fastpath.accelerate(ours)
+    sm = SwiftModel(ours)
+    if sm.layer_loop() != "python":
+        pytest.skip(f"{name}: no fast path here")
+    with torch.inference_mode():
+        got, want = sm.logits(sm.prefill(ids, SwiftCache(sm.n_layers))), ref(torch.tensor([ids])).logits[0]
+    assert (got - want).abs().max() < FLOAT_TOLERANCE * want.std(), (name, (got - want).abs().max() / want.std())
 
 
 def test_native_loop_is_the_python_loops_bits_and_rows_are_batch_invariant(tiny):
@@ -100,18 +153,56 @@ def test_every_method_is_token_identical_to_ar(tiny):
             assert got == want, (name, method, prompt)
 
 
+@pytest.mark.parametrize("tiny", ["tiny-llama3"], indirect=True)
 def test_llama3_rotary_frequencies_are_divided_by_the_files_factors(tiny):
     """A Llama 3 GGUF keeps its rotary scaling as `rope_freqs` (llama.cpp's per-frequency divisors); the loaded
     model's rotary uses them (transformers' GGUF reader alone would not; the parity test above reads too few
     positions to tell: the factors change only the slowest frequencies)."""
     from gguf import GGUFReader
 
-    name, entry, path, (model, _) = tiny
+    _, entry, path, (model, _) = tiny
     factors = [t.data for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
-    if not factors:
-        pytest.skip(f"{name} has no rope_freqs")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(entry)).model.rotary_emb.inv_freq
     want = plain / torch.from_numpy(factors[0].copy()).float()
     assert torch.equal(model.model.rotary_emb.inv_freq, want) and (factors[0] > 1).any()
+
+
+@pytest.mark.parametrize("tiny", ["tiny-smollm3"], indirect=True)
+def test_smollm3_layers_without_rotary_are_llama_cpps(tiny):
+    """SmolLM3's every 4th layer has no rotary (llama.cpp fixes it: (il + 1) % 4 == 0, no GGUF key), and its q/k
+    rows are stored permuted as llama's. A token alone in its cache attends to itself only, so each layer's input
+    is the same at any position: a layer without rotary caches the same key bits at positions 0 and 7, the others
+    do not. (The parity test cannot tell: on random weights rotary moves the logits less than int8 rows do.)"""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    from swiftdecode.runtime.quantized import _processor
+
+    model = tiny[3][0]
+    sm, one = SwiftModel(model), torch.ones(1, 1, dtype=torch.bool)
+    keys = []
+    for position in (0, 7):
+        cache = SwiftCache(sm.n_layers)
+        sm.forward([1234], torch.tensor([position]), one, cache)
+        keys.append([layer.keys.clone() for layer in cache.layers])
+    rotated = [int(not torch.equal(a, b)) for a, b in zip(*keys, strict=True)]
+    assert rotated == model.config.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(sm.n_layers)]
+    assert type(_processor("smollm3", model.config)) is TENSOR_PROCESSORS["llama"]
+
+
+def test_windowed_masks_are_the_transformers_paths():
+    """lean.windowed (the sliding layers' masks, from a forward's masks) hides what attention_mask(window=...)
+    hides on the transformers path: a tree's rows at depth positions over a cache, some entries not visible."""
+    from swiftdecode.runtime.lean import windowed
+    from swiftdecode.runtime.tree import Tree, attention_mask
+
+    tree = Tree(root=5)
+    for token, parent in ((1, -1), (2, -1), (3, 0), (4, 2), (6, 3)):
+        tree.add(token, parent, "test")
+    prefix, positions, allowed = 40, tree.positions(40), tree.ancestry()
+    for visible in (prefix, torch.tensor([40, 38, 40, 30, 40, 40])):
+        full = attention_mask(positions, prefix, visible, allowed, F32)[0, 0]
+        for window in (1, 3, 16, 64):
+            want = attention_mask(positions, prefix, visible, allowed, F32, window)[0, 0]
+            assert torch.equal(windowed(full, positions, window), want), (visible, window)

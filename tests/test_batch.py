@@ -75,9 +75,10 @@ def test_batched_requests_are_their_solo_runs(request, model_name):
     assert all(r.new == s.token_ids for k, (r, s) in enumerate(zip(leaver, solo, strict=True)) if k != 1)
 
 
-def test_batching_off_the_lean_path_runs_parts_in_turn(gemma):
-    """Gemma runs through transformers' modules: batched rounds run each request's forward in turn (same result)."""
-    gen = Generator(*gemma, method="ar")
+def test_batching_off_the_lean_path_runs_parts_in_turn(smollm_torch):
+    """Off the lean path (torch's: transformers' modules) batched rounds run each request's forward in turn (same
+    result)."""
+    gen = Generator(*smollm_torch, method="ar")
     mix = [("The capital of France is", 12), ("def fibonacci(n):", 16), ("Once upon a time", 10)]
     solo = [gen.generate(p, max_new_tokens=n, cache_salt="solo").token_ids for p, n in mix]
     batch = Batch(gen)

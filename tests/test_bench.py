@@ -438,3 +438,34 @@ def test_follow_up_reads_the_second_turn_after_the_cached_first(tmp_path):
         mine = [r for r in records if r["method"] == m]
         read = sum(r["prompt_tokens"] - r["cached_prompt_tokens"] for r in mine) / sum(r["prefill_s"] for r in mine)
         assert results["methods"][m]["overall"]["prompt_tokens_per_s"] == pytest.approx(read)
+
+
+FAKE_LLAMA_BENCH = """#!/bin/sh
+case "$*" in *"--repack 1"*) exit 134;; esac  # its repacked layout dies (llama.cpp's AMX path on some CPUs)
+echo '[{"build_commit": "abc123", "n_prompt": 512, "n_gen": 0, "avg_ts": 40.5},'
+echo ' {"build_commit": "abc123", "n_prompt": 0, "n_gen": 128, "avg_ts": 3.25}]'
+"""
+
+
+def test_doctor_beside_llama_bench(tmp_path, monkeypatch, capsys):
+    """`doctor --llama-bench` times pp512/tg128 on our forward and runs llama-bench on the same GGUF in each weight
+    layout, keeping the best that runs; without the binary it stops before loading, with how to build it."""
+    from swiftdecode.hub import resolve_cache_dir
+
+    monkeypatch.setenv("SWIFTDECODE_CACHE", str(resolve_cache_dir()))  # the models stay where they are
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/llama-cpp-peer
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("SWIFTDECODE_LLAMA_CPP", str(tmp_path / "bin"))
+    argv = ["doctor", "--model", "smollm2-135m", "--llama-bench", "--repeats", "1", "--context", "8", "--json"]
+    assert main(argv) == 2 and "llama-cpp-peer.sh" in capsys.readouterr().err
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_LLAMA_BENCH)
+    fake.chmod(0o755)
+    assert main(argv) == 0
+    b = json.loads(capsys.readouterr().out)["llama_bench"]
+    assert b["llama.cpp"] == {"pp": 40.5, "tg": 3.25, "pp_repack": "0", "tg_repack": "0", "build": "abc123"}
+    assert b["ours"]["pp"] > 0 and b["ours"]["tg"] > 0
+    from swiftdecode.apps.bench.llama_bench import report_lines
+
+    assert "pp512" in report_lines(b["ours"], b["llama.cpp"])[1]

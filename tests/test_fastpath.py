@@ -341,6 +341,7 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
     assert d["layers"] == "native" and "native loop" in format_report(d)  # every projection of SmolLM2 is quantized
     assert "speedup" in format_report(d)
+    assert d["paths"][d["path"]]["draft_ms"] > 0 and "draft step" in format_report(d)  # half the sublayers skipped
     assert d["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, keys + values, 3 heads of 64, fp16
     r = d["roofline"]  # SmolLM2's weight products: 30 layers x (q, k, v, o, gate, up, down) + the tied head
     assert r["macs_per_row"] == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576
@@ -387,8 +388,8 @@ def test_inner_step_rate_is_a_rate_below_the_peak(isa):
 
 @pytest.mark.parametrize("name", ["smollm", "qwen", "gemma"])
 def test_k_rows_equal_one_row_at_any_thread_count(request, name):
-    """On the engine's forward (quantized kernel; lean layers, or transformers' for Gemma), an 8-token chain
-    returns bit-for-bit the logits of 8 one-token forwards, at 1, 2, 3 and 4 threads (norms, rotary and
+    """On the engine's forward (quantized kernel, native layer loop; Gemma's sliding-window layers too), an 8-token
+    chain returns bit-for-bit the logits of 8 one-token forwards, at 1, 2, 3 and 4 threads (norms, rotary and
     activations included)."""
     from swiftdecode.runtime.cache import SwiftCache
     from swiftdecode.runtime.model import SwiftModel

@@ -97,6 +97,6 @@ def test_batched_joiners_reuse_a_shared_prompt(smollm):
     assert all(r.stats.cached_prompt_tokens > 10 for r in reqs)
 
 
-def test_prefix_cache_is_off_where_reuse_would_not_be_exact(gemma):
-    """Gemma runs through transformers' modules (not batch-invariant): its generator keeps no prefixes."""
-    assert Generator(*gemma, method="ar", prefix_cache_gb=1.0).memory()["prefix_budget"] == 0
+def test_prefix_cache_is_off_where_reuse_would_not_be_exact(smollm_torch):
+    """On torch's path the layers run through transformers' modules (not batch-invariant): no prefixes kept."""
+    assert Generator(*smollm_torch, method="ar", prefix_cache_gb=1.0).memory()["prefix_budget"] == 0

@@ -24,6 +24,7 @@ from swiftdecode.base.config import isa_of
 from swiftdecode.base.errors import UserError
 
 KS = (1, 2, 4, 8, 16)
+DRAFT_SKIP_RATIO = 0.5  # the layer-skip draft step timed beside them: SWIFT's searched sets skip about half
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens in the cache before timing (default 200)")
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards per (path, k); median (default 7)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--llama-bench",
+        action="store_true",
+        help="also time prompt reading (pp512) and decoding (tg128) as llama.cpp's llama-bench defines them, ours "
+        "and llama-bench's own on the same GGUF file (needs its binary: ../shared/tools/llama-cpp-peer.sh)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -135,23 +142,26 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
     }
 
 
-def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict[int, float]]]:
+def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict]]:
     """Median wall and calling-thread CPU ms of the engine's k-token forward (a verification: k causal rows and
-    their full-vocabulary logits) after `context` tokens, per fast-path mode ({path: {"wall": {k: ms}, "cpu":
-    {k: ms}}}); repeats interleaved. With one torch thread, CPU time is the forward's own work, unaffected by
-    other processes taking the cores."""
+    their full-vocabulary logits) after `context` tokens, and of a one-token draft step with the inner layers'
+    sublayers skipped at DRAFT_SKIP_RATIO (SkipSet.uniform), per fast-path mode ({path: {"wall": {k: ms},
+    "cpu": {k: ms}, "draft": ms}}); repeats interleaved. With one torch thread, CPU time is the forward's own
+    work, unaffected by other processes taking the cores."""
     import torch
 
     from swiftdecode.runtime.cache import SwiftCache
     from swiftdecode.runtime.fastpath import accelerate
     from swiftdecode.runtime.model import SwiftModel
+    from swiftdecode.runtime.skip import SkipSet
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
     new = torch.randint(0, vocab, (max(KS),), generator=g).tolist()
-    times = {p: {c: {k: [] for k in KS} for c in ("wall", "cpu")} for p in paths}
+    times = {p: {c: {k: [] for k in KS} for c in ("wall", "cpu")} | {"draft": []} for p in paths}
     sm, caches = SwiftModel(model), {}
+    draft = SkipSet.uniform(sm.n_layers, DRAFT_SKIP_RATIO)
     for path in paths:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
         accelerate(model, path)
         caches[path] = SwiftCache(sm.n_layers)
@@ -168,7 +178,16 @@ def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[s
                     times[path]["cpu"][k].append((time.thread_time() - c) * 1e3)
                     times[path]["wall"][k].append((time.perf_counter() - t) * 1e3)
                 cache.truncate(context)
-    return {p: {c: {k: statistics.median(v) for k, v in d.items()} for c, d in ts.items()} for p, ts in times.items()}
+            t = time.perf_counter()
+            sm.logits(sm.forward(new[:1], torch.arange(context, context + 1), causal[:1, :1], cache, skip=draft))
+            if rep:
+                times[path]["draft"].append((time.perf_counter() - t) * 1e3)
+            cache.truncate(context)
+    median = statistics.median
+    return {
+        p: {c: median(d) if c == "draft" else {k: median(v) for k, v in d.items()} for c, d in ts.items()}
+        for p, ts in times.items()
+    }
 
 
 def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 7) -> dict:
@@ -193,6 +212,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
             "ratio": {k: v / ms[p]["wall"][1] for k, v in ms[p]["wall"].items()},
             "effective_gbs": {k: nbytes / v / 1e6 for k, v in ms[p]["wall"].items()},
             "forward_cpu_ms": ms[p]["cpu"],
+            "draft_ms": ms[p]["draft"],
         }
         for p in paths
     }
@@ -246,6 +266,11 @@ def format_report(d: dict) -> str:
     for name, p in d["paths"].items():
         cells = "".join(f"{p['forward_ms'][k]:8.1f}ms {p['ratio'][k]:4.2f}x" for k in KS)
         lines.append(f"{name:<16}{cells}{p['effective_gbs'][1]:12.1f}")
+    p = d["paths"][d["path"]]
+    lines.append(
+        f"{'draft step':<16}{p['draft_ms']:8.1f}ms {p['draft_ms'] / p['forward_ms'][1]:4.2f}x   (one token with "
+        f"{DRAFT_SKIP_RATIO:.0%} of the inner layers' sublayers skipped: a layer-skip draft's step)"
+    )
     if len(d["paths"]) == 2:
         t, f = d["paths"]["torch"]["forward_ms"], d["forward_ms"]
         lines.append(f"{'speedup':<16}" + "".join(f"{t[k] / f[k]:15.2f}x" for k in KS))
@@ -263,12 +288,40 @@ def format_report(d: dict) -> str:
             + "".join(f"{r['step_ms'][k]:8.1f}ms{'':6}" for k in KS)
             + f"   (the products' inner step alone: {r['step_gmacs']:.0f} GMAC/s)",
         ]
+    if b := d.get("llama_bench"):
+        from swiftdecode.apps.bench.llama_bench import report_lines
+
+        lines += ["", *report_lines(b["ours"], b["llama.cpp"])]
     if d["threads"] == 1:
         lines += ["", "CPU time of the forward (1 thread: its own work, whatever else runs on the machine)"]
         for name, p in d["paths"].items():
             c = p["forward_cpu_ms"]
             lines.append(f"{name:<16}" + "".join(f"{c[k]:8.1f}ms {c[k] / c[1]:4.2f}x" for k in KS))
     return "\n".join(lines)
+
+
+def llama_bench_file(args: argparse.Namespace):
+    """The GGUF file `--llama-bench` runs llama.cpp on, checked before the model loads (with its binary)."""
+    from swiftdecode.apps.bench import llama_bench
+    from swiftdecode.apps.bench.peers import find_binary
+    from swiftdecode.hub import locate_gguf
+
+    if find_binary(llama_bench.BINARY) is None:
+        raise UserError(llama_bench.HOW_TO)
+    found = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
+    if found is None:
+        raise UserError(f"--llama-bench runs llama.cpp on the model's GGUF file; {args.model!r} has none")
+    return found[0]
+
+
+def beside_llama_bench(model, gguf, repeats: int) -> dict:
+    """{"ours": {"pp", "tg"}, "llama.cpp": {...}} tokens/s (apps/bench/llama_bench.py) on the same GGUF file."""
+    import torch
+
+    from swiftdecode.apps.bench import llama_bench
+
+    theirs = llama_bench.peer(gguf, torch.get_num_threads(), repeats=repeats)
+    return {"ours": llama_bench.ours(model, repeats=repeats), "llama.cpp": theirs}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -280,11 +333,14 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    gguf = llama_bench_file(args) if args.llama_bench else None
     # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
     load_path = args.fast_path if isa_of(args.fast_path) else "torch"
     model, _ = swiftdecode.load(
         args.model, cache_dir=args.cache_dir, fast_path=load_path, weights=args.weights, progress=not args.json
     )
     d = diagnose(model, args.fast_path, args.context, args.repeats)
+    if args.llama_bench:
+        d["llama_bench"] = beside_llama_bench(model, gguf, args.repeats)
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return 0

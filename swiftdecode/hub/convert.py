@@ -14,16 +14,38 @@ from swiftdecode.base.errors import UserError
 from swiftdecode.hub.entries import check_space, entry_ok, locked, resolve_cache_dir, write_entry
 
 GGUF_FILE = "model.gguf"  # the model's GGUF inside a quantized-path cache entry
+# GGUF architectures whose config transformers' GGUF reader lacks and we read (`_config`); their tensors are
+# stored as llama.cpp stores llama's (q/k rows permuted: SmolLM3's converter extends LlamaModel)
+LLAMA_LIKE = ("smollm3",)
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by (hidden / heads)^-0.5, other sizes' by head_dim's
+# llama.cpp's keys of a Llama-anatomy GGUF (after "<arch>.") -> config fields, as transformers' reader maps llama's
+LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "rope.dimension_count": "head_dim",
+    "vocab_size": "vocab_size",
+}
 
 
 def read_meta(gguf: Path, progress: bool):
-    """(tokenizer, config) of a GGUF file, read by transformers without touching its tensors."""
-    from transformers import AutoConfig, AutoTokenizer
+    """(tokenizer, config) of a GGUF file, read by transformers without touching its tensors (the config of a
+    `LLAMA_LIKE` architecture read here)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         with quiet(not progress):
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config, own = _config(gguf)
+            # AutoTokenizer picks its class from transformers' reading of the config; ours: the tokenizer keys alone
+            reader = PreTrainedTokenizerFast if own else AutoTokenizer
+            tokenizer = reader.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except UserError:
+        raise
     except Exception as e:  # e.g. an architecture transformers cannot read from GGUF
         msg = (str(e).splitlines() or [""])[0][:200]
         raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
@@ -33,7 +55,40 @@ def read_meta(gguf: Path, progress: bool):
         del config.quantization_config
     if config.model_type == "phi3":
         _phi3_rope(config, gguf)
+    if config.model_type == "gemma3_text":
+        _gemma3(config, gguf)
     return tokenizer, config
+
+
+def _config(gguf: Path):
+    """(config, whether read here rather than by transformers)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), False
+    except ValueError:  # an architecture transformers' GGUF reader lacks (the reader parsed only when so: seconds)
+        reader = GGUFReader(gguf)
+        if reader.fields["general.architecture"].contents() not in LLAMA_LIKE:
+            raise
+        return _llama_like_config(reader), True
+
+
+def _llama_like_config(reader):
+    """The config of a `LLAMA_LIKE` GGUF, from its Llama keys (SmolLM3: the config's default NoPE layers, every
+    4th, are llama.cpp's too: it fixes the step, the file has no key for it)."""
+    from transformers import AutoConfig
+
+    arch = reader.fields["general.architecture"].contents()
+    value = lambda key: None if (f := reader.fields.get(key)) is None else f.contents()
+    if value(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise UserError(f"{arch} GGUF with rotary scaling {value(f'{arch}.rope.scaling.type')!r}: not supported")
+    fields = {name: v for key, name in LLAMA_KEYS.items() if (v := value(f"{arch}.{key}")) is not None}
+    fields.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    ids = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+    fields |= {name: value(f"tokenizer.ggml.{key}") for name, key in ids.items()}  # absent: None, not a default
+    fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    return AutoConfig.for_model(arch, **fields)
 
 
 def _phi3_rope(config, gguf: Path) -> None:
@@ -56,6 +111,23 @@ def _phi3_rope(config, gguf: Path) -> None:
         original = value("rope.scaling.original_context_length") or config.max_position_embeddings
         config.original_max_position_embeddings = rope["original_max_position_embeddings"] = original
     config.rope_parameters = rope
+
+
+def _gemma3(config, gguf: Path) -> None:
+    """What transformers' GGUF reader leaves out of a Gemma 3 config, as llama.cpp reads the file: the global
+    layers' linear rotary scaling (4B and up; the sliding layers' base and scale are fixed), and the queries' scale
+    (llama.cpp's rule, by size: the config's default query_pre_attn_scalar, 256, holds where head_dim is 256)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    value = lambda key: None if (f := fields.get(f"gemma3.{key}")) is None else f.contents()
+    if (kind := value("rope.scaling.type")) not in (None, "none", "linear"):
+        raise UserError(f"gemma3 GGUF with rotary scaling {kind!r}: not supported")
+    if kind == "linear":
+        rope, linear = config.rope_parameters, {"rope_type": "linear", "factor": value("rope.scaling.factor")}
+        config.rope_parameters = rope | {"full_attention": rope["full_attention"] | linear}
+    wide = config.num_hidden_layers == GEMMA3_27B_LAYERS
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
 
 
 def fp32_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:

@@ -79,19 +79,23 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2", 28, 3584, 28, 4, 128, 18944, 152064, 32768, 1e6, 1e-6, False),
     # microsoft/Phi-4-mini-instruct config.json: partial_rotary_factor 0.75 (96 of 128 dims), LongRoPE from 4096
     "phi-4-mini": Shape("phi3", 32, 3072, 24, 8, 128, 8192, 200064, 131072, 1e4, 1e-5, True, None, 262144, 0, 96, 4096),
+    # HuggingFaceTB/SmolLM3-3B config.json: Llama anatomy, every 4th layer without rotary (llama.cpp fixes the step)
+    "smollm3-3b": Shape("smollm3", 36, 2048, 16, 4, 128, 11008, 128256, 65536, 5e6, 1e-6, True),
     # google/gemma-3-1b-it config.json
     "gemma-3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True, None, 512, 6),
     # Tiny test shapes: 6 layers (layer-skip drafts need some), widths multiples of 256 (every K-quant block fits),
     # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied). tiny-qwen3 keeps
     # head_dim 128 (as all dense Qwen3): transformers reads no head_dim from a qwen3 GGUF and assumes 128.
+    # tiny-gemma3's window is 16 tokens, so a test's 40-token context reaches past it.
     "tiny-qwen3": Shape("qwen3", 6, 256, 4, 2, 128, 512, None, 4096, 1e6, 1e-6, True),
     "tiny-llama3": Shape("llama", 6, 256, 4, 2, 64, 512, None, 4096, 5e5, 1e-5, True, L32),
     "tiny-qwen2": Shape("qwen2", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, False),
     "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 0, 0, 48, 4096),
-    "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 128, 6),
+    "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
+    "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6),
 }
 ARCHES = {MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.QWEN3, MODEL_ARCH.LLAMA, MODEL_ARCH.QWEN2, MODEL_ARCH.PHI3)}
-ARCHES["gemma3"] = MODEL_ARCH.GEMMA3
+ARCHES |= {MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.SMOLLM3, MODEL_ARCH.GEMMA3)}
 GEMMA3_PATTERN = 6  # llama.cpp's gemma3 loader and transformers' Gemma3TextConfig both fix the pattern at 6
 
 # --format -> (llama.cpp's default block type for it, general.file_type)
@@ -318,7 +322,7 @@ def _add_metadata(w: GGUFWriter, s: Shape, name: str, fmt: str, vocab: int) -> N
     if s.heads * s.head_dim != s.hidden or s.arch == "gemma3":  # else llama.cpp derives it: hidden / heads
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
-    if s.arch == "llama":
+    if s.arch in ("llama", "smollm3"):  # convert_hf_to_gguf.py's LlamaModel, which SmolLM3's converter extends
         w.add_vocab_size(vocab)
         w.add_rope_dimension_count(s.head_dim)
     if s.arch in ("phi3", "gemma3"):

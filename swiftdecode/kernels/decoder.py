@@ -1,5 +1,5 @@
-"""ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers (Qwen3's query/key norms included) in one
-native call over quantized weights.
+"""ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers (Qwen3's query/key norms, Phi-3's fused
+projections, SmolLM3's layers without rotary included) in one native call over quantized weights.
 
 The layer table (weight descriptors, biases, norm weights) is bound once; a call passes the rows, the rotary
 tables, each sequence's mask and each (sequence, layer) cache buffer. The loop runs the same kernels in the same
@@ -19,24 +19,26 @@ from swiftdecode.kernels.qweight import QuantWeight
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 N_WEIGHTS = 7  # q, k, v, o, gate, up, down (csrc: W_Q .. W_DOWN)
 SKIP_ATTN, SKIP_MLP = 1, 2  # csrc per-layer skip flags
+NO_ROTARY = -1  # csrc LayerWeights.rotary of a layer without rotary (SmolLM3's NoPE layers)
 
 
 class _Config(ctypes.Structure):
     _fields_ = [*((n, _I) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")), ("eps", _F), ("scale", _F)]
-    _fields_ += [("kv_half", _I), ("rot_dim", _I)]
+    _fields_ += [("kv_half", _I), ("rot_dim", _I), ("gelu", _I)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("w", _P * N_WEIGHTS), ("b", _P * N_WEIGHTS), ("norm_attn", _P), ("norm_mlp", _P)]
-    _fields_ += [("norm_q", _P), ("norm_k", _P)]
+    _fields_ += [("norm_q", _P), ("norm_k", _P), ("rotary", _I), ("norm_attn_out", _P), ("norm_mlp_out", _P)]
+    _fields_ += [("sliding", _I)]
 
 
 class _Ops(ctypes.Structure):
-    _fields_ = [(n, _P) for n in ("rmsnorm", "rope", "attention_many", "silu_mul")]
+    _fields_ = [(n, _P) for n in ("rmsnorm", "rope", "attention_many", "silu_mul", "gelu_mul")]
 
 
 class _Seq(ctypes.Structure):
-    _fields_ = [("rows", _I), ("row0", _I), ("mask", _P), ("mask_stride", _I)]
+    _fields_ = [("rows", _I), ("row0", _I), ("mask", _P), ("mask_stride", _I), ("mask_local", _P)]
 
 
 class KVEntry(ctypes.Structure):
@@ -49,7 +51,8 @@ class KVEntry(ctypes.Structure):
 class LayerWeights:
     """One layer's quantized projections (q, k, v, o, gate, up, down; Phi-3: k, v None where q is q, k, v fused,
     up None where gate is gate, up fused), their biases, its two norm weights [hidden] and (Qwen3) its per-head
-    query and key norm weights [head_dim]."""
+    query and key norm weights [head_dim], which rotary table turns its queries and keys, (Gemma 3) the norm
+    weights of its sublayers' outputs [hidden], and whether it attends within a sliding window."""
 
     weights: tuple[QuantWeight | None, ...]
     biases: tuple[torch.Tensor | None, ...]
@@ -57,6 +60,14 @@ class LayerWeights:
     norm_mlp: torch.Tensor
     norm_q: torch.Tensor | None = None
     norm_k: torch.Tensor | None = None
+    rotary: int = 0  # the rotary table (of `FusedDecoder.run`'s) of its queries and keys; NO_ROTARY: none
+    norm_attn_out: torch.Tensor | None = None  # norms of the attention's and the MLP's outputs (Gemma 3)
+    norm_mlp_out: torch.Tensor | None = None
+    sliding: bool = False  # attends under the sequences' windowed masks
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class FusedDecoder:
@@ -64,21 +75,24 @@ class FusedDecoder:
 
     def __init__(self, qkernel: QKernel, layers: list[LayerWeights], dims: dict, ops: dict[str, int]):
         """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats), kv_half (the caches hold
-        fp16 keys/values), rot_dim (each head's rotated dims); ops: the fp32 kernel library's entry points
-        (kernels/fp32.py: Kernel.addresses)."""
+        fp16 keys/values), rot_dim (each head's rotated dims), gelu (the MLP's activation is GeLU, else SiLU);
+        ops: the fp32 kernel library's entry points (kernels/fp32.py: Kernel.addresses)."""
         self.layers, self.n_layers = layers, len(layers)
         self.config = _Config(**dims)
         self.ops = _Ops(**ops)
-        ptr = lambda t: None if t is None else t.data_ptr()
         self.table = (_Layer * len(layers))(
             *(
                 _Layer(
                     (_P * N_WEIGHTS)(*(None if w is None else desc_address(w) for w in lw.weights)),
-                    (_P * N_WEIGHTS)(*(ptr(b) for b in lw.biases)),
+                    (_P * N_WEIGHTS)(*(_ptr(b) for b in lw.biases)),
                     lw.norm_attn.data_ptr(),
                     lw.norm_mlp.data_ptr(),
-                    ptr(lw.norm_q),
-                    ptr(lw.norm_k),
+                    _ptr(lw.norm_q),
+                    _ptr(lw.norm_k),
+                    lw.rotary,
+                    _ptr(lw.norm_attn_out),
+                    _ptr(lw.norm_mlp_out),
+                    int(lw.sliding),
                 )
                 for lw in layers
             )
@@ -90,20 +104,24 @@ class FusedDecoder:
     def run(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        tables: list[tuple[torch.Tensor, torch.Tensor]],
         skip: bytes,
         seqs: list,
-        tables: list,
+        kv_tables: list,
         scratch: torch.Tensor,
     ) -> None:
-        """Every layer on x [R, hidden] (fp32 contiguous, updated in place); cos/sin [R, rot_dim]; skip: a flag
-        byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32) per sequence; tables: per sequence its
+        """Every layer on x [R, hidden] (fp32 contiguous, updated in place); tables: the rotary tables (cos, sin)
+        [R, rot_dim] each, fp32 contiguous, that the layers' `rotary` index; skip: a flag
+        byte per layer; seqs: (rows, first row, mask [rows, ≥ keys] fp32, the sliding layers' mask of its shape
+        and strides, or None) per sequence; kv_tables: per sequence its
         cache's KVEntry array (one per layer; buffers [kv_heads, capacity, head_dim] with room for the
         sequence's rows), whose lengths the loop advances where a layer's attention runs; scratch: the
         attention's."""
-        seq_arr = (_Seq * len(seqs))(*(_Seq(rows, row0, m.data_ptr(), m.stride(0)) for rows, row0, m in seqs))
-        kv_arr = (_P * len(tables))(*(ctypes.addressof(t) for t in tables))
+        seq_arr = (_Seq * len(seqs))(*(_Seq(r, row0, m.data_ptr(), m.stride(0), _ptr(w)) for r, row0, m, w in seqs))
+        if any(w is not None and w.stride() != m.stride() for _, _, m, w in seqs):
+            raise ValueError("a sequence's two masks need the same strides")
+        kv_arr = (_P * len(kv_tables))(*(ctypes.addressof(t) for t in kv_tables))
+        cos, sin = ((_P * len(tables))(*(t[i].data_ptr() for t in tables)) for i in (0, 1))
         self._fn(
             ctypes.byref(self.config),
             self.table,
@@ -112,8 +130,8 @@ class FusedDecoder:
             ctypes.byref(self.ops),
             x.data_ptr(),
             x.shape[0],
-            cos.data_ptr(),
-            sin.data_ptr(),
+            cos,
+            sin,
             seq_arr,
             len(seqs),
             kv_arr,

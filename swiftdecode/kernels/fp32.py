@@ -1,5 +1,5 @@
 """ctypes binding of csrc/skinny_gemm.cpp: the batch-invariant fp32 kernels (skinny GEMM, attention, RMSNorm,
-rotary, SiLU) for AVX-512 or AVX2, chosen by CPU features at run time.
+rotary, SiLU, GeLU) for AVX-512 or AVX2, chosen by CPU features at run time.
 
 Why hand-written: torch's bundled MKL takes a slow path for products with 2..32 rows on some CPUs (AMD), so
 verifying k draft tokens cost 2-3x one token; and no library promises that row i of an M-row product is
@@ -39,6 +39,7 @@ SIGNATURES = {
     "rmsnorm": [P] * 3 + [I64] * 2 + [F32, I32],
     "rope": [P] * 3 + [I64] * 3,
     "silu_mul": [P] * 2 + [I64, I32],
+    "gelu_mul": [P] * 2 + [I64, I32],
 }
 
 
@@ -61,6 +62,7 @@ class Kernel:
             fns[n] for n in ("linear", "linear_t", "attention", "attention_many")
         )
         self._norm, self._rope, self._silu_mul = fns["rmsnorm"], fns["rope"], fns["silu_mul"]
+        self._gelu_mul = fns["gelu_mul"]
         # entry points for native callers (kernels/decoder.py), so the process runs one fp32 implementation
         self.addresses = {
             name: ctypes.cast(fn, ctypes.c_void_p).value
@@ -69,6 +71,7 @@ class Kernel:
                 ("rope", self._rope),
                 ("attention_many", self._attn_many),
                 ("silu_mul", self._silu_mul),
+                ("gelu_mul", self._gelu_mul),
             )
         }
 
@@ -85,6 +88,11 @@ class Kernel:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate <- silu(gate) * up, in place (both fp32 contiguous, same shape); each value from its own inputs."""
         self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
+        return gate
+
+    def gelu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate <- gelu(gate) * up (GeLU's tanh approximation: Gemma's), in place, as silu_mul."""
+        self._gelu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
         return gate
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

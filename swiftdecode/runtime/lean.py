@@ -1,6 +1,7 @@
-"""A lean forward for Llama-family decoders (Llama 2/3, Qwen2, Qwen3, Mistral: pre-norm RMSNorm, rotary,
-grouped-query attention, SiLU-gated MLP; Qwen3's per-head query/key RMSNorm), over the model's own modules and
-weights.
+"""A lean forward for Llama-family decoders (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Gemma 3: pre-norm
+RMSNorm, rotary, grouped-query attention, gated MLP; Qwen3's and Gemma's per-head query/key RMSNorm, SmolLM3's layers
+without rotary, Gemma 3's GeLU, norms of the sublayers' outputs and sliding-window layers with a rotary of their
+own), over the model's own modules and weights.
 
 Why: with quantized weights a decoder layer's matmuls take ~0.5 ms, and transformers' module stack around them
 (hooks, mask and cache plumbing, a dozen small tensor ops per norm and rotary) costs about as much again. This
@@ -12,18 +13,24 @@ so verification stays bit-identical to one-token decoding. Other architectures r
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from swiftdecode.kernels.decoder import SKIP_ATTN, SKIP_MLP, FusedDecoder, LayerWeights
+from swiftdecode.kernels.decoder import NO_ROTARY, SKIP_ATTN, SKIP_MLP, FusedDecoder, LayerWeights
 from swiftdecode.kernels.modules import QuantLinear
 from swiftdecode.kernels.qgemm import Plan
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.skip import SkipSet
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # one anatomy (Qwen3: q/k norms; Phi-3: fused)
+# one anatomy (Qwen3: q/k norms; Phi-3: fused projections; SmolLM3: layers without rotary; Gemma 3: GeLU, norms of
+# the sublayers' outputs, sliding-window layers with their own rotary)
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3_text")
 DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies change with the sequence: HF's module computes those tables
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (the kernel library's gelu_mul)
+NORM_PLUS_ONE = ("gemma3_text",)  # its RMSNorm scales by 1 + weight
+SLIDING = "sliding_attention"  # config.layer_types' name of a layer attending within the sliding window
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -31,21 +38,44 @@ def why_not(model: torch.nn.Module) -> str | None:
     config = model.config.get_text_config()
     if config.model_type not in MODEL_TYPES:
         return f"no lean forward for {config.model_type!r} yet (lean: {', '.join(MODEL_TYPES)})"
-    if (act := getattr(config, "hidden_act", "silu")) != "silu":
-        return f"activation {act!r} (lean: silu)"
+    gemma = config.model_type == "gemma3_text"
+    if (act := _activation(config)) != (GELU_TANH if gemma else "silu"):
+        return f"activation {act!r} (lean: silu; Gemma 3: {GELU_TANH})"
+    if gemma:  # its sliding-window layers run here
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            return "attention logit soft-capping"
+        return "bidirectional attention" if getattr(config, "use_bidirectional_attention", False) else None
     window = getattr(config, "sliding_window", None)
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-        window = None  # Qwen configs carry a window size that only applies when use_sliding_window is set
+    if config.model_type in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
+        window = None  # these configs carry a window size that only applies when use_sliding_window is set
     if window and window >= getattr(config, "max_position_embeddings", window + 1):
         window = None  # a window as long as the context (Phi-4-mini's) never hides a key
     return f"sliding-window attention ({window} tokens)" if window else None
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """A layer as both loops run it (the fields of kernels/decoder.py's LayerWeights after its projections): norm
+    weights fp32 [hidden] before attention and MLP, Qwen3's and Gemma's per-head query/key norm weights
+    [head_dim], the rotary table of its queries and keys (NO_ROTARY: none), Gemma's norm weights of the
+    attention's and the MLP's outputs [hidden], and whether it attends within the sliding window. Gemma's norm
+    weights are 1 + its weights, as its RMSNorm scales (the same float32 sum)."""
+
+    norm_attn: torch.Tensor
+    norm_mlp: torch.Tensor
+    norm_q: torch.Tensor | None
+    norm_k: torch.Tensor | None
+    rotary: int
+    norm_attn_out: torch.Tensor | None
+    norm_mlp_out: torch.Tensor | None
+    sliding: bool
+
+
 class LeanDecoder:
     """Forward of the decoder's layers on SwiftCaches, with the fast path's fp32 kernel library (attention,
-    RMSNorm, rotary, SiLU) passed to each call. When every projection is quantized the layer loop runs natively
-    (kernels/decoder.py: the same kernels in the same order, so the same bits); a forward that observes hidden
-    states, or a model with float projections, runs the loop below."""
+    RMSNorm, rotary, SiLU, GeLU) passed to each call. When every projection is quantized the layer loop runs
+    natively (kernels/decoder.py: the same kernels in the same order, so the same bits); a forward that observes
+    hidden states, or a model with float projections, runs the loop below."""
 
     def __init__(self, model: torch.nn.Module):
         self.base = model.get_decoder()
@@ -54,8 +84,17 @@ class LeanDecoder:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.widths = (self.heads * self.head_dim, *2 * (self.kv_heads * self.head_dim,))  # q, k, v outputs
-        self.eps = self.layers[0].input_layernorm.variance_epsilon
-        self.qk_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm of each head's query and key (the layers' eps)
+        norm = self.layers[0].input_layernorm
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))  # Gemma's RMSNorm: eps
+        rope = self.base.rotary_emb
+        # the rotary tables: one, or one per layer type (Gemma 3: the sliding layers' base differs)
+        self.kinds = list(rope.layer_types) if hasattr(rope, "layer_types") else [None]
+        self.rot_dim = 2 * _inv_freq(rope, self.kinds[0]).numel()
+        plus = config.model_type in NORM_PLUS_ONE
+        self.specs = [_spec(layer, config, self.kinds, plus) for layer in self.layers]
+        self.final_norm = _weight(self.base.norm, plus)
+        self.window = config.sliding_window if any(s.sliding for s in self.specs) else None
+        self.gelu = _activation(config) == GELU_TANH
         # per layer: the prepared kernel calls of q/k/v and of gate/up (None where not all quantized)
         self.plans = [(_plan(_qkv(layer.self_attn)), _plan(_gate_up(layer.mlp))) for layer in self.layers]
         self._fused: tuple[object, FusedDecoder] | None = None  # (fp32 kernel it is bound to, the native loop)
@@ -79,39 +118,49 @@ class LeanDecoder:
         """Rows of one or more sequences in one pass: ids, positions [R], sequence j's rows next after sequence
         j−1's, each attending only to its own cache `caches[j]` under `masks[j]` [q_j, T_j] (additive over the
         keys of a layer that has every entry; a layer whose attention a draft skipped has fewer: its keys are the
-        mask's first columns). Returns [R, H]. Row r's result depends on its own inputs and sequence only, bit
-        for bit: every other operation is row-local."""
+        mask's first columns; the sliding layers' masks hide the keys a window or more behind too: `windowed`).
+        Returns [R, H]. Row r's result depends on its own inputs and sequence only, bit for bit: every other
+        operation is row-local."""
         x = self.base.embed_tokens(ids).contiguous()
-        cos, sin = rotary(self.base.rotary_emb, x, positions)
+        tables = [rotary(self.base.rotary_emb, x, positions, kind) for kind in self.kinds]
+        masks = [(m, windowed(m, p, self.window) if self.window else None) for m, p in _per_sequence(masks, positions)]
         fused = self._native(kernel) if observe is None else None
         if fused is not None:
-            self._run_native(fused, x, cos, sin, masks, caches, skip, kernel)
+            self._run_native(fused, x, tables, masks, caches, skip, kernel)
         else:
-            x = self._run_python(x, cos, sin, masks, caches, skip, kernel, observe)
-        return kernel.rmsnorm(x, self.base.norm.weight, self.eps)
+            x = self._run_python(x, tables, masks, caches, skip, kernel, observe)
+        return kernel.rmsnorm(x, self.final_norm, self.eps)
 
-    def _run_python(self, x, cos, sin, masks, caches, skip, kernel, observe) -> torch.Tensor:
-        norm = lambda x, module: kernel.rmsnorm(x, module.weight, self.eps)
-        for i, layer in enumerate(self.layers):
+    def _run_python(self, x, tables, masks, caches, skip, kernel, observe) -> torch.Tensor:
+        """The layers on x; masks: (mask, the sliding layers' or None) per sequence."""
+        for i, (layer, spec) in enumerate(zip(self.layers, self.specs, strict=True)):
             h_in = x
             if i not in skip.attn:
-                h = norm(x, layer.input_layernorm)
-                x = x + self._attention(layer.self_attn, h, cos, sin, masks, caches, i, kernel)
+                h = kernel.rmsnorm(x, spec.norm_attn, self.eps)
+                own = [local if spec.sliding else full for full, local in masks]
+                out = self._attention(layer.self_attn, spec, h, tables, own, caches, i, kernel)
+                x = x + self._post(kernel, out, spec.norm_attn_out)
             if i not in skip.mlp:
-                mlp, h = layer.mlp, norm(x, layer.post_attention_layernorm)
+                mlp, h = layer.mlp, kernel.rmsnorm(x, spec.norm_mlp, self.eps)
                 gate, up = _split(_project(h, _gate_up(mlp), self.plans[i][1]), 2 * (mlp.down_proj.in_features,))
-                x = x + mlp.down_proj(kernel.silu_mul(gate.contiguous(), up.contiguous()))
+                act = kernel.gelu_mul if self.gelu else kernel.silu_mul
+                x = x + self._post(kernel, mlp.down_proj(act(gate.contiguous(), up.contiguous())), spec.norm_mlp_out)
             if observe is not None:
                 observe(i, h_in, x)
         return x
 
-    def _attention(self, attn, h, cos, sin, masks, caches, i, kernel) -> torch.Tensor:
+    def _post(self, kernel, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output as the residual stream adds it: normed first where the layer says (Gemma 3)."""
+        return out if norm is None else kernel.rmsnorm(out.contiguous(), norm, self.eps)
+
+    def _attention(self, attn, spec: _Layer, h, tables, masks, caches, i, kernel) -> torch.Tensor:
         rows, d = h.shape[0], self.head_dim
         qkv = _split(_project(h, _qkv(attn), self.plans[i][0]), self.widths)
         q, k, v = (t.contiguous().view(rows, -1, d) for t in qkv)
-        if self.qk_norm:
-            q, k = (kernel.rmsnorm(t, n.weight, self.eps) for t, n in ((q, attn.q_norm), (k, attn.k_norm)))
-        q, k = _rope(kernel, q, cos, sin), _rope(kernel, k, cos, sin)
+        if spec.norm_q is not None:
+            q, k = kernel.rmsnorm(q, spec.norm_q, self.eps), kernel.rmsnorm(k, spec.norm_k, self.eps)
+        if spec.rotary != NO_ROTARY:
+            q, k = _rope(kernel, q, *tables[spec.rotary]), _rope(kernel, k, *tables[spec.rotary])
         sizes = [len(m) for m in masks]
         dtype = self.kv_dtype or k.dtype
         kv = [
@@ -124,18 +173,15 @@ class LeanDecoder:
     def _native(self, kernel) -> FusedDecoder | None:
         """The native layer loop bound to `kernel`'s fp32 entry points, when every projection is quantized."""
         if self._fused is None or self._fused[0] is not kernel:
-            linears = [_linears(layer) for layer in self.layers]
             fused = None
             if hasattr(kernel, "addresses") and self.quantized:
                 weights = [
                     LayerWeights(
                         tuple(None if m is None else m.qweight for m in ms),
                         tuple(None if m is None else m.bias for m in ms),
-                        layer.input_layernorm.weight.float().contiguous(),
-                        layer.post_attention_layernorm.weight.float().contiguous(),
-                        *(_norm(layer.self_attn, n) for n in ("q_norm", "k_norm")),
+                        **vars(spec),
                     )
-                    for layer, ms in zip(self.layers, linears, strict=True)
+                    for spec, ms in zip(self.specs, map(_linears, self.layers), strict=True)
                 ]
                 attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
                 dims = dict(
@@ -147,48 +193,101 @@ class LeanDecoder:
                     eps=self.eps,
                     scale=self.scale,
                     kv_half=int(self.kv_dtype == torch.float16),
-                    rot_dim=2 * self.base.rotary_emb.inv_freq.numel(),
+                    rot_dim=self.rot_dim,
+                    gelu=int(self.gelu),
                 )
                 fused = FusedDecoder(attn.o_proj.kernel, weights, dims, kernel.addresses)
             self._fused = (kernel, fused)
         return self._fused[1]
 
-    def _run_native(self, fused: FusedDecoder, x, cos, sin, masks, caches, skip, kernel) -> None:
+    def _run_native(self, fused: FusedDecoder, x, tables, masks, caches, skip, kernel) -> None:
         """All layers on x in place, through the native loop; the caches gain the rows of every layer that ran
         (the loop advances their lengths in the caches' native tables)."""
         flags = bytes(
             (SKIP_ATTN if i in skip.attn else 0) | (SKIP_MLP if i in skip.mlp else 0) for i in range(len(self.layers))
         )
         seqs, row, max_t, dtype = [], 0, 1, self.kv_dtype or x.dtype
-        for cache, mask in zip(caches, masks, strict=True):
+        for cache, (mask, local) in zip(caches, masks, strict=True):
             rows = len(mask)
-            seqs.append((rows, row, mask))
+            seqs.append((rows, row, mask, local))
             row += rows
             cache.reserve(rows, self.kv_heads, self.head_dim, dtype)
             max_t = max(max_t, cache.length + rows)  # layer 0 (never skipped) is the longest
-        fused.run(x, cos, sin, flags, seqs, [c.table for c in caches], kernel.attention_scratch(max_t))
+        fused.run(x, tables, flags, seqs, [c.table for c in caches], kernel.attention_scratch(max_t))
 
 
-def rotary(rope: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [R, D] fp32 of HF's rotary embedding `rope` at `positions` [R] (D: the rotated dims of a head):
-    the same formula (float32 angles position * inv_freq, halves repeated, times attention_scaling), with cos and
-    sin evaluated in float64 by numpy and rounded to float32. Why not torch's float32 cos: in a process's first
-    forward, under CPU contention, it sometimes returned a table up to 1.5e-4 off (README, "A process's first
-    forward"); numpy's float64 functions (no MKL) return the same bits on every call. Frequencies that change
-    with the sequence (longrope: past the original context) come from HF's module, one row at a time, so a row's
-    table depends on its own position only (HF takes the batch's longest)."""
-    if getattr(rope, "rope_type", None) in DYNAMIC_ROPE:
-        rows = [rope(x[None, r : r + 1], positions[None, r : r + 1]) for r in range(len(positions))]
+def windowed(mask: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """One sequence's mask [q, T] (its q rows at `positions` [q] after T − q cached keys) with the keys `window` or
+    more positions behind a row hidden too, as HF's sliding window hides them (a key at p_k is visible from p_q
+    only when p_q − p_k < window). A cached key's position is its index (runtime/tree.py), a new row's key its
+    row's position. A row's mask depends on its own position and mask row only."""
+    q, t = mask.shape
+    keys = torch.cat([torch.arange(t - q), positions])
+    return mask.masked_fill(positions[:, None] - keys[None, :] >= window, torch.finfo(mask.dtype).min)
+
+
+def _per_sequence(masks: list[torch.Tensor], positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(mask, its rows' positions) per sequence: sequence j's rows follow sequence j−1's."""
+    return list(zip(masks, positions.split([len(m) for m in masks]), strict=True))
+
+
+def _activation(config) -> str:
+    """The MLP's activation function's name (Gemma's config calls it hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+
+
+def _weight(norm: torch.nn.Module | None, plus_one: bool) -> torch.Tensor | None:
+    """An RMSNorm's weight fp32 contiguous, as the kernel scales by it: Gemma's 1 + weight (its RMSNorm's float32
+    sum), else the weight itself (no copy when it is fp32 contiguous)."""
+    if norm is None:
+        return None
+    return (norm.weight.float() + 1 if plus_one else norm.weight.float()).contiguous()
+
+
+def _spec(layer, config, kinds: list[str | None], plus_one: bool) -> _Layer:
+    """Layer `layer` as the loops run it; kinds: the rotary tables' layer types (None: one table for all)."""
+    attn, types = layer.self_attn, getattr(config, "layer_types", None) or []
+    kind = types[attn.layer_idx] if types else None
+    rotary = kinds.index(kind if kind in kinds else None) if getattr(attn, "use_rope", True) else NO_ROTARY
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # norms around both sublayers; its MLP's input norm is this
+    w = lambda name: _weight(getattr(layer, name), plus_one)
+    return _Layer(
+        w("input_layernorm"),
+        w("pre_feedforward_layernorm" if gemma else "post_attention_layernorm"),
+        _weight(getattr(attn, "q_norm", None), plus_one),
+        _weight(getattr(attn, "k_norm", None), plus_one),
+        rotary,
+        w("post_attention_layernorm") if gemma else None,
+        w("post_feedforward_layernorm") if gemma else None,
+        kind == SLIDING,
+    )
+
+
+def rotary(
+    rope: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, kind: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [R, D] fp32 of HF's rotary embedding `rope` at `positions` [R] (D: the rotated dims of a head; kind:
+    the layer type whose table, for a module with one per type: Gemma 3's): the same formula (float32 angles
+    position * inv_freq, halves repeated, times attention_scaling), with cos and sin evaluated in float64 by numpy
+    and rounded to float32. Why not torch's float32 cos: in a process's first forward, under CPU contention, it
+    sometimes returned a table up to 1.5e-4 off (README, "A process's first forward"); numpy's float64 functions
+    (no MKL) return the same bits on every call. Frequencies that change with the sequence (longrope: past the
+    original context) come from HF's module, one row at a time, so a row's table depends on its own position only
+    (HF takes the batch's longest)."""
+    prefix, args = ("", ()) if kind is None else (f"{kind}_", (kind,))
+    rope_type = getattr(rope, "rope_type", None)
+    if (rope_type if kind is None else rope_type[kind]) in DYNAMIC_ROPE:
+        rows = [rope(x[None, r : r + 1], positions[None, r : r + 1], *args) for r in range(len(positions))]
         return tuple(torch.cat([row[i][0] for row in rows]).float().contiguous() for i in (0, 1))
-    angles = (positions.float()[:, None] * rope.inv_freq.float()[None, :]).numpy().astype(np.float64)  # [R, D/2]
-    halves = (torch.from_numpy(f(angles).astype(np.float32)) * rope.attention_scaling for f in (np.cos, np.sin))
+    inv_freq, scaling = _inv_freq(rope, kind), getattr(rope, f"{prefix}attention_scaling")
+    angles = (positions.float()[:, None] * inv_freq.float()[None, :]).numpy().astype(np.float64)  # [R, D/2]
+    halves = (torch.from_numpy(f(angles).astype(np.float32)) * scaling for f in (np.cos, np.sin))
     return tuple(torch.cat((h, h), dim=-1) for h in halves)
 
 
-def _norm(attn: torch.nn.Module, name: str) -> torch.Tensor | None:
-    """The attention module's `name` norm weight (fp32, contiguous), if it has one."""
-    module = getattr(attn, name, None)
-    return None if module is None else module.weight.float().contiguous()
+def _inv_freq(rope: torch.nn.Module, kind: str | None) -> torch.Tensor:
+    """The rotary's inverse frequencies [D/2] (of layer type `kind`'s table, if given)."""
+    return getattr(rope, "inv_freq" if kind is None else f"{kind}_inv_freq")
 
 
 def _rope(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -76,14 +76,14 @@ class SwiftModel:
         prefix = cache.length
         vis = prefix if visible is None else visible
         mask = attention_mask(positions, prefix, vis, new_allowed, self.dtype)
-        if self.layer_types:
-            sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
-            mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
         kernel, sparsity = self._lean_kernel(), fastpath.info_of(self.model).sparsity
-        if kernel is not None:
+        if kernel is not None:  # its sliding layers' masks built there (lean.windowed)
             ids_t = torch.tensor(ids, device=self.device)
             with sparsity.draft(skip.sparsity if skip else 0):
                 return self.lean.forward(ids_t, positions, [mask[0, 0]], [cache], skip or SkipSet(), kernel, observe)
+        if self.layer_types:
+            sliding = attention_mask(positions, prefix, vis, new_allowed, self.dtype, self.window)
+            mask = {t: sliding if t == "sliding_attention" else mask for t in self.layer_types}
         with self.skipper.use(skip), sparsity.draft(skip.sparsity if skip else 0):
             out = self.decoder(
                 input_ids=torch.tensor([ids], device=self.device),
@@ -95,9 +95,10 @@ class SwiftModel:
         return out.last_hidden_state[0]
 
     def _lean_kernel(self):
-        """The fp32 kernel library when this model runs the lean forward (Llama anatomy, fast path on), else None."""
+        """The fp32 kernel library when this model runs the lean forward (lean.why_not: None; fast path on), else
+        None."""
         kernel = fastpath.info_of(self.model).kernel
-        return kernel if self.lean is not None and not self.layer_types else None
+        return kernel if self.lean is not None else None
 
     def layer_loop(self) -> str:
         """What runs the decoder's layers: "native" (one C call), "python" (the lean loop) or "transformers". The
@@ -187,7 +188,7 @@ def warm_up(sm: SwiftModel) -> SwiftModel:
     """Run a short forward on each layer loop `sm` has (the Python loop, with an observer, and the native one), on
     scratch caches, results discarded; returns sm. Why: in a fresh process under CPU contention torch's float32
     cos sometimes returned a reduced-accuracy table on its first call (README, "A process's first forward"). The
-    lean forward no longer uses it (`lean.rotary`); the transformers layer loop (Gemma) still runs torch's
+    lean forward no longer uses it (`lean.rotary`); the transformers layer loop still runs torch's
     transcendental functions, so their first calls happen here, not in a request. Call it from the thread that
     will decode."""
     observers = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from swiftdecode.base.errors import UserError
+from swiftdecode.hub.convert import LLAMA_LIKE
 from swiftdecode.kernels.gguf_index import TensorInfo, read_index
 from swiftdecode.kernels.layout_cache import LAYOUT_FILE, LayoutWriter, layout_key, read_layout
 from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
@@ -31,6 +32,7 @@ LAYOUT_CACHE_ENV = "SWIFTDECODE_LAYOUT_CACHE"  # "0": lay the weights out at eve
 def _processor(arch: str, config):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    arch = "llama" if arch in LLAMA_LIKE else arch  # stored as llama's: the q/k rows' permutation undone
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
@@ -138,15 +140,9 @@ def _quant_weights(
     """GGUF tensor name -> its weight, for `specs` [(tensor, row order or None)]: memory-mapped from the layout
     cache in `folder` where it holds this GGUF's layout, else laid out from the GGUF's blocks and cached (in
     memory only where the folder cannot take the cache, or $SWIFTDECODE_LAYOUT_CACHE is 0)."""
-    from tqdm import tqdm
-
-    def lay():
-        for t, rows in tqdm(specs, desc="loading quantized weights", disable=not progress):
-            k, n = (int(s) for s in t.shape)
-            yield t.name, QuantWeight.from_gguf(t.tensor_type.name, t, n, k, rows)
 
     if os.environ.get(LAYOUT_CACHE_ENV) == "0":
-        return dict(lay())
+        return dict(_lay_out(specs, progress))
     file = folder / LAYOUT_FILE
     key = layout_key(gguf, [(t.name, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]), rows) for t, rows in specs])
     cached = read_layout(file, key)
@@ -155,14 +151,43 @@ def _quant_weights(
     try:
         with LayoutWriter(file, key, sum(t.n_rows * t.row_bytes for t, _ in specs)) as writer:
             print(f"swiftdecode: laying out {gguf.name} for the kernel once; caching it in {file}", file=sys.stderr)
-            for name, w in lay():
+            for name, w in _lay_out(specs, progress):
                 writer.add(name, w)
             writer.commit()
     except OSError as e:
         why = e.strerror or e
         print(f"swiftdecode: cannot cache the kernel layout in {folder} ({why}); loading without it", file=sys.stderr)
-        return dict(lay())
-    return read_layout(file, key) or dict(lay())
+        return dict(_lay_out(specs, progress))
+    return read_layout(file, key) or dict(_lay_out(specs, progress))
+
+
+def _lay_out(specs: list[tuple[TensorInfo, np.ndarray | None]], progress: bool):
+    """(GGUF tensor name, its QuantWeight) of each spec, in order, laid out from the GGUF's blocks by
+    torch.get_num_threads() workers (numpy's array work releases the GIL), at most that many tensors ahead of the
+    consumer, so no more than that many laid-out tensors are held at once."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    def one(t: TensorInfo, rows: np.ndarray | None) -> tuple[str, QuantWeight]:
+        k, n = (int(s) for s in t.shape)
+        return t.name, QuantWeight.from_gguf(t.tensor_type.name, t, n, k, rows)
+
+    workers = max(1, torch.get_num_threads())
+    with (
+        ThreadPoolExecutor(workers) as pool,
+        tqdm(total=len(specs), desc="loading quantized weights", disable=not progress) as bar,
+    ):
+        ahead: deque = deque()
+        for spec in specs:
+            ahead.append(pool.submit(one, *spec))
+            if len(ahead) > workers:
+                yield ahead.popleft().result()
+                bar.update()
+        while ahead:
+            yield ahead.popleft().result()
+            bar.update()
 
 
 def _rope_factors(model: nn.Module, tensors: list[TensorInfo]) -> None:

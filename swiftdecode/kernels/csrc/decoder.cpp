@@ -1,11 +1,12 @@
 // A Llama-family decoder's layers (pre-norm RMSNorm, rotary, grouped-query attention, SiLU-gated MLP; Qwen3's
-// per-head query/key norms; Phi-3's fused projections and partial rotary) in one
-// native call over block-quantized weights, for one or more sequences each on its own KV cache.
+// per-head query/key norms; Phi-3's fused projections and partial rotary; SmolLM3's layers without rotary; Gemma 3's
+// GeLU, norms of the sublayers' outputs, sliding-window layers with their own rotary) in one native call over
+// block-quantized weights, for one or more sequences each on its own KV cache.
 //
 // Why: at 1-8 rows a small model's layer spends ~0.4 ms in its seven projections, and driving the dozen kernel
 // calls around them from Python costs about as much again. This loop calls the same kernels, in the same order
 // and on the same buffers' values, as the Python forward in swiftdecode/lean.py: the products here, the fp32
-// operations (RMSNorm, rotary, attention, SiLU) through pointers to the one fp32 kernel library the process
+// operations (RMSNorm, rotary, attention, SiLU, GeLU) through pointers to the one fp32 kernel library the process
 // uses, so both forwards return the same bits and only the interpreter is gone.
 #include <stdint.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include "qgemm.h"
 
 enum { SKIP_ATTN = 1, SKIP_MLP = 2 };                    // per-layer skip flags (the draft's skip set)
+enum { NO_ROTARY = -1 };                                 // DecLayer.rotary of a layer without rotary (SmolLM3 NoPE)
 enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, N_W };  // a layer's projections
 
 struct DecConfig {
@@ -24,6 +26,7 @@ struct DecConfig {
   float eps, scale;
   int64_t kv_half;  // the caches hold keys/values as fp16 (else fp32)
   int64_t rot_dim;  // each head's first rot_dim dims are rotated (head_dim, or less: Phi-4's partial rotary)
+  int64_t gelu;     // the MLP's activation: GeLU, tanh approximation (Gemma), else SiLU
 };
 
 struct DecLayer {  // w[W_K], w[W_V] null: w[W_Q] is q, k, v fused (Phi-3); w[W_UP] null: w[W_GATE] is gate, up fused
@@ -31,8 +34,12 @@ struct DecLayer {  // w[W_K], w[W_V] null: w[W_Q] is q, k, v fused (Phi-3); w[W_
   const float* b[N_W];  // biases or null
   const float* norm_attn;
   const float* norm_mlp;
-  const float* norm_q;  // per-head RMSNorm of queries and keys before rotary (Qwen3), or null
+  const float* norm_q;  // per-head RMSNorm of queries and keys before rotary (Qwen3, Gemma 3), or null
   const float* norm_k;
+  int64_t rotary;  // the rotary table (of the call's tables) that turns its queries and keys; NO_ROTARY: none
+  const float* norm_attn_out;  // RMSNorm of the attention's and the MLP's outputs before the residual add
+  const float* norm_mlp_out;   // (Gemma 3), or null
+  int64_t sliding;             // attends under the sequences' windowed masks (DecSeq.mask_local)
 };
 
 struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound from Python
@@ -42,12 +49,14 @@ struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound f
                          const int64_t* dims, float* out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
                          float scale, float* scratch, int64_t max_t, int nthreads, int kv_half);
   void (*silu_mul)(float* g, const float* u, int64_t n, int nthreads);
+  void (*gelu_mul)(float* g, const float* u, int64_t n, int nthreads);
 };
 
-struct DecSeq {  // a sequence's rows [row0, row0 + rows) and its additive mask [rows, >= keys] (row stride)
+struct DecSeq {  // a sequence's rows [row0, row0 + rows) and its additive masks [rows, >= keys] (row stride)
   int64_t rows, row0;
   const float* mask;
   int64_t mask_stride;
+  const float* mask_local;  // the sliding layers' (keys a window or more positions back hidden too), or null
 };
 
 struct DecKV {  // a (sequence, layer) cache buffer: keys/values [kv_heads, capacity, D], `length` filled
@@ -110,9 +119,10 @@ static void rotate(const DecConfig& c, const DecOps& ops, float* x, const float*
 }
 
 // Appends each sequence's new keys/values to its cache (advancing the entry's length) and runs attention of all
-// rows; q [R, heads * D] in, att [R, heads * D] out. kv[j][l]: sequence j's entry of this layer l.
+// rows (a sliding layer's under the sequences' windowed masks); q [R, heads * D] in, att [R, heads * D] out.
+// kv[j][l]: sequence j's entry of this layer l.
 static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, DecKV* const* kv,
-                   int64_t l, const float* q, const float* k, const float* v, float* att, float* scratch,
+                   int64_t l, bool sliding, const float* q, const float* k, const float* v, float* att, float* scratch,
                    int nthreads) {
   const int64_t D = c.head_dim, KD = c.kv_heads * D;
   std::vector<const void*> ks(nseq), vs(nseq);
@@ -129,7 +139,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
         store_kv((char*)e.k + dst * elem, k + src, D, c.kv_half);
         store_kv((char*)e.v + dst * elem, v + src, D, c.kv_half);
       }
-    ks[j] = e.k, vs[j] = e.v, masks[j] = s.mask;
+    ks[j] = e.k, vs[j] = e.v, masks[j] = sliding ? s.mask_local : s.mask;
     const int64_t t = e.length + s.rows;
     e.length = t;
     int64_t* d = dims.data() + 5 * j;
@@ -140,12 +150,14 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
                      scratch, max_t, nthreads, (int)c.kv_half);
 }
 
-// x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos/sin [R, rot_dim];
-// skip [n_layers] flags; kv[j]: sequence j's entries, one per layer; scratch: attention's, for the longest cache.
+// x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos_[i]/sin_[i] [R, rot_dim]:
+// rotary table i (DecLayer.rotary); skip [n_layers] flags; kv[j]: sequence j's entries, one per layer; scratch:
+// attention's, for the longest cache.
 // Skipped sublayers neither run nor touch their cache; the layers whose attention ran advance their lengths.
 extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer* layers, int64_t n_layers,
                                               const uint8_t* skip, const DecOps* ops, float* x, int64_t R,
-                                              const float* cos_, const float* sin_, const DecSeq* seqs, int64_t nseq,
+                                              const float* const* cos_, const float* const* sin_,
+                                              const DecSeq* seqs, int64_t nseq,
                                               DecKV* const* kv, float* scratch, int nthreads) {
   const int64_t H = c->hidden, QD = c->heads * c->head_dim, KD = c->kv_heads * c->head_dim, I = c->inter;
   std::vector<float> h(R * H), q(R * QD), k(R * KD), v(R * KD), att(R * QD), o(R * H), g(R * I), u(R * I);
@@ -160,20 +172,24 @@ extern "C" void SD_QNAME(sd_decoder, SD_QISA)(const DecConfig* c, const DecLayer
       project_parts(L, QKV, 3, h.data(), qkv, qkv_widths, R, fused.data(), nthreads);
       if (L.norm_q) ops->rmsnorm(q.data(), L.norm_q, q.data(), R * c->heads, c->head_dim, c->eps, nthreads);
       if (L.norm_k) ops->rmsnorm(k.data(), L.norm_k, k.data(), R * c->kv_heads, c->head_dim, c->eps, nthreads);
-      rotate(*c, *ops, q.data(), cos_, sin_, R, c->heads);
-      rotate(*c, *ops, k.data(), cos_, sin_, R, c->kv_heads);
-      attend(*c, *ops, seqs, nseq, kv, l, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
+      if (L.rotary != NO_ROTARY) {
+        rotate(*c, *ops, q.data(), cos_[L.rotary], sin_[L.rotary], R, c->heads);
+        rotate(*c, *ops, k.data(), cos_[L.rotary], sin_[L.rotary], R, c->kv_heads);
+      }
+      attend(*c, *ops, seqs, nseq, kv, l, L.sliding, q.data(), k.data(), v.data(), att.data(), scratch, nthreads);
       float* out[1] = {o.data()};
       project(L, O, 1, att.data(), out, R, nthreads);
+      if (L.norm_attn_out) ops->rmsnorm(o.data(), L.norm_attn_out, o.data(), R, H, c->eps, nthreads);
       add_into(x, o.data(), R * H);
     }
     if (!(skip[l] & SKIP_MLP)) {
       ops->rmsnorm(x, L.norm_mlp, h.data(), R, H, c->eps, nthreads);
       float* gu[2] = {g.data(), u.data()};
       project_parts(L, GATE_UP, 2, h.data(), gu, gu_widths, R, fused.data(), nthreads);
-      ops->silu_mul(g.data(), u.data(), R * I, nthreads);
+      (c->gelu ? ops->gelu_mul : ops->silu_mul)(g.data(), u.data(), R * I, nthreads);
       float* out[1] = {o.data()};
       project(L, DOWN, 1, g.data(), out, R, nthreads);
+      if (L.norm_mlp_out) ops->rmsnorm(o.data(), L.norm_mlp_out, o.data(), R, H, c->eps, nthreads);
       add_into(x, o.data(), R * H);
     }
   }

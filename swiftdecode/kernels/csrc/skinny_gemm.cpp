@@ -759,6 +759,25 @@ extern "C" void SD_EXPORT(sd_silu_mul, SD_ISA)(float* g, const float* u, int64_t
   }
 }
 
+// g <- gelu(g) * u over n values with GeLU's tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(y)) is
+// x * sigmoid(2y), y = sqrt(2/pi) (x + 0.044715 x^3), the sigmoid as in sd_silu_mul (exp of -|2y| only: no
+// overflow). Lane by lane, the same float operations on both ISA builds, so each value depends on its own inputs.
+#define GELU_CUBIC 0.044715f
+#define GELU_TWO_SQRT_2_OVER_PI 1.5957691216057308f  // 2 sqrt(2 / pi): the sigmoid's argument is 2y
+extern "C" void SD_EXPORT(sd_gelu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
+  const int64_t chunks = (n + VW - 1) / VW;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= SILU_PARALLEL_MIN)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i = c * VW;
+    const int w = n - i < VW ? (int)(n - i) : VW;
+    const vf x = vload_tail(g + i, w), y = vload_tail(u + i, w), one = vset1(1.0f);
+    const vf z = vmul(vset1(GELU_TWO_SQRT_2_OVER_PI), vfma(vmul(vset1(GELU_CUBIC), vmul(x, x)), x, x));
+    const vf e = vexp(vmul(vabs(z), vset1(-1.0f)));
+    const vf sig = vdiv(vsel_ge0(z, one, e), vadd(one, e));
+    vstore_tail(g + i, vmul(vmul(x, sig), y), w);
+  }
+}
+
 // Rotary embedding in place: x [q, heads, D] (rows contiguous), cos/sin [q, D]; per element the same three
 // float operations as HF's x * cos + rotate_half(x) * sin, so results equal transformers' bit for bit.
 extern "C" void SD_EXPORT(sd_rope, SD_ISA)(float* x, const float* cos_, const float* sin_, int64_t q, int64_t heads,
