@@ -169,6 +169,17 @@ def test_llama3_rotary_frequencies_are_divided_by_the_files_factors(tiny):
     assert torch.equal(model.model.rotary_emb.inv_freq, want) and (factors[0] > 1).any()
 
 
+@pytest.mark.parametrize("tiny", ["tiny-llama3", "tiny-phi3"], indirect=True)
+def test_float32_weights_keep_what_the_gguf_reader_drops(tiny):
+    """`--weights fp32` builds its model under the config our reading completes (Phi-3's partial rotary and
+    LongRoPE factors) and applies Llama 3's rotary factors, as the quantized path does: the same frequencies."""
+    import swiftdecode
+
+    name, _, path, (model, _) = tiny
+    f32, _ = swiftdecode.load(str(path), cache_dir=str(path.parent / "cache"), weights="fp32", progress=False)
+    assert torch.equal(f32.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq), name
+
+
 @pytest.mark.parametrize("tiny", ["tiny-smollm3"], indirect=True)
 def test_smollm3_layers_without_rotary_are_llama_cpps(tiny):
     """SmolLM3's every 4th layer has no rotary (llama.cpp fixes it: (il + 1) % 4 == 0, no GGUF key), and its q/k

@@ -14,6 +14,8 @@ from swiftdecode.base.errors import UserError
 from swiftdecode.hub.entries import check_space, entry_ok, locked, resolve_cache_dir, write_entry
 
 GGUF_FILE = "model.gguf"  # the model's GGUF inside a quantized-path cache entry
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama 3's rotary factors in its GGUF (llama.cpp's name)
+ROPE_FREQS_FILE = "rope_freqs.npy"  # ... kept beside a float32 entry's config, which cannot hold them
 # GGUF architectures whose config transformers' GGUF reader lacks and we read (`_config`); their tensors are
 # stored as llama.cpp stores llama's (q/k rows permuted: SmolLM3's converter extends LlamaModel)
 LLAMA_LIKE = ("smollm3",)
@@ -131,26 +133,49 @@ def _gemma3(config, gguf: Path) -> None:
 
 
 def fp32_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool) -> None:
-    """Dequantise `gguf` to a float32 safetensors HF folder at `entry` (`--weights fp32`)."""
+    """Dequantise `gguf` to a float32 safetensors HF folder at `entry` (`--weights fp32`), under the config
+    `read_meta` completes (Phi-3's partial rotary, Gemma 3's scaling), with Llama 3's rotary factors beside it
+    (ROPE_FREQS_FILE: a config cannot hold them)."""
+    import numpy as np
     import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
-    tokenizer, _ = read_meta(gguf, progress)
+    tokenizer, config = read_meta(gguf, progress)
     try:
         with quiet(not progress):
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, config=config, dtype=torch.float32
+            )
     except Exception as e:
         msg = (str(e).splitlines() or [""])[0][:200]
         raise UserError(f"transformers cannot load {gguf.name}: {type(e).__name__}: {msg}") from None
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    freqs = [dequantize(t.data, t.tensor_type) for t in GGUFReader(gguf).tensors if t.name == ROPE_FREQS_TENSOR]
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if freqs:
+            np.save(tmp / ROPE_FREQS_FILE, np.asarray(freqs[0], dtype=np.float32).reshape(-1))
 
     write_entry(entry, source_sha256, gguf, fill)
+
+
+def divide_rotary(model, factors) -> None:
+    """Llama 3's rotary scaling as its GGUF stores it: per-frequency factors [head_dim / 2] (`rope_freqs`) that
+    divide the rotary's inverse frequencies, as llama.cpp applies them (transformers' GGUF reader drops them)."""
+    import torch
+
+    rope = model.get_decoder().rotary_emb
+    factors = torch.as_tensor(factors, dtype=torch.float32).reshape(-1)
+    if factors.shape != rope.inv_freq.shape:
+        raise UserError(f"rope_freqs has {factors.numel()} factors for {rope.inv_freq.numel()} rotary frequencies")
+    rope.inv_freq = rope.inv_freq / factors
+    rope.original_inv_freq = rope.inv_freq.clone()
 
 
 def meta_entry(gguf: Path, entry: Path, source_sha256: str, progress: bool, copy: bool) -> None:

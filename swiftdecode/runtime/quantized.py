@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from swiftdecode.base.errors import UserError
-from swiftdecode.hub.convert import LLAMA_LIKE
+from swiftdecode.hub.convert import LLAMA_LIKE, ROPE_FREQS_TENSOR, divide_rotary
 from swiftdecode.kernels.gguf_index import TensorInfo, read_index
 from swiftdecode.kernels.layout_cache import LAYOUT_FILE, LayoutWriter, layout_key, read_layout
 from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
@@ -191,19 +191,12 @@ def _lay_out(specs: list[tuple[TensorInfo, np.ndarray | None]], progress: bool):
 
 
 def _rope_factors(model: nn.Module, tensors: list[TensorInfo]) -> None:
-    """Llama 3's rotary scaling as its GGUF stores it: per-frequency factors (`rope_freqs` [head_dim / 2]) that
-    divide the rotary's inverse frequencies, as llama.cpp applies them (transformers' GGUF reader drops them)."""
-    t = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
-    if t is None:
-        return
-    from gguf.quants import dequantize
+    """Llama 3's rotary factors (`rope_freqs`), where the GGUF has them, applied (hub.convert.divide_rotary)."""
+    t = next((t for t in tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if t is not None:
+        from gguf.quants import dequantize
 
-    rope = model.get_decoder().rotary_emb
-    factors = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
-    if factors.shape != rope.inv_freq.shape:
-        raise UserError(f"rope_freqs has {factors.numel()} factors for {rope.inv_freq.numel()} rotary frequencies")
-    rope.inv_freq = rope.inv_freq / factors
-    rope.original_inv_freq = rope.inv_freq.clone()
+        divide_rotary(model, np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
 
 
 def _tie_output(model: nn.Module) -> None:

@@ -740,42 +740,38 @@ extern "C" void SD_EXPORT(sd_rmsnorm, SD_ISA)(const float* x, const float* w, fl
   }
 }
 
-// g <- silu(g) * u = g * sigmoid(g) * u over n values, lane by lane: with e = exp(-|g|) (vexp), sigmoid(g) is
-// 1 / (1 + e) for g >= 0 and e / (1 + e) below, so exp never overflows. Each value depends on its own inputs
-// only, and both ISA builds run the same float operations per lane.
-// Values from which the team shares the work: ~4 us of one thread's work at 16k values, past the fork's cost; at
-// 8 rows of Qwen2.5-0.5B (39k values) the serial pass took 0.36 ms of a 23 ms forward (24 layers).
-#define SILU_PARALLEL_MIN (1 << 14)
-extern "C" void SD_EXPORT(sd_silu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
-  const int64_t chunks = (n + VW - 1) / VW;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= SILU_PARALLEL_MIN)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t i = c * VW;
-    const int w = n - i < VW ? (int)(n - i) : VW;
-    const vf x = vload_tail(g + i, w), y = vload_tail(u + i, w), one = vset1(1.0f);
-    const vf e = vexp(vmul(vabs(x), vset1(-1.0f)));
-    const vf sig = vdiv(vsel_ge0(x, one, e), vadd(one, e));
-    vstore_tail(g + i, vmul(vmul(x, sig), y), w);
-  }
+// sigmoid(z) lane by lane: with e = exp(-|z|) (vexp), 1 / (1 + e) for z >= 0 and e / (1 + e) below, so exp never
+// overflows. Both ISA builds run the same float operations per lane.
+static inline vf vsigmoid(vf z) {
+  const vf one = vset1(1.0f), e = vexp(vmul(vabs(z), vset1(-1.0f)));
+  return vdiv(vsel_ge0(z, one, e), vadd(one, e));
 }
 
-// g <- gelu(g) * u over n values with GeLU's tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(y)) is
-// x * sigmoid(2y), y = sqrt(2/pi) (x + 0.044715 x^3), the sigmoid as in sd_silu_mul (exp of -|2y| only: no
-// overflow). Lane by lane, the same float operations on both ISA builds, so each value depends on its own inputs.
+// g <- act(g) * u over n values, lane by lane (each value depends on its own inputs only): SiLU's g * sigmoid(g),
+// or GeLU's tanh approximation (Gemma's gelu_pytorch_tanh), 0.5 g (1 + tanh(y)) = g * sigmoid(2y) with
+// y = sqrt(2/pi) (g + 0.044715 g^3).
+// Values from which the team shares the work: ~4 us of one thread's work at 16k values, past the fork's cost; at
+// 8 rows of Qwen2.5-0.5B (39k values) the serial pass took 0.36 ms of a 23 ms forward (24 layers).
+#define GATED_PARALLEL_MIN (1 << 14)
 #define GELU_CUBIC 0.044715f
 #define GELU_TWO_SQRT_2_OVER_PI 1.5957691216057308f  // 2 sqrt(2 / pi): the sigmoid's argument is 2y
-extern "C" void SD_EXPORT(sd_gelu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
+template <bool GELU>
+static void gated_mul(float* g, const float* u, int64_t n, int nthreads) {
   const int64_t chunks = (n + VW - 1) / VW;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= SILU_PARALLEL_MIN)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= GATED_PARALLEL_MIN)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t i = c * VW;
     const int w = n - i < VW ? (int)(n - i) : VW;
-    const vf x = vload_tail(g + i, w), y = vload_tail(u + i, w), one = vset1(1.0f);
-    const vf z = vmul(vset1(GELU_TWO_SQRT_2_OVER_PI), vfma(vmul(vset1(GELU_CUBIC), vmul(x, x)), x, x));
-    const vf e = vexp(vmul(vabs(z), vset1(-1.0f)));
-    const vf sig = vdiv(vsel_ge0(z, one, e), vadd(one, e));
-    vstore_tail(g + i, vmul(vmul(x, sig), y), w);
+    const vf x = vload_tail(g + i, w), y = vload_tail(u + i, w);
+    const vf z = GELU ? vmul(vset1(GELU_TWO_SQRT_2_OVER_PI), vfma(vmul(vset1(GELU_CUBIC), vmul(x, x)), x, x)) : x;
+    vstore_tail(g + i, vmul(vmul(x, vsigmoid(z)), y), w);
   }
+}
+extern "C" void SD_EXPORT(sd_silu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
+  gated_mul<false>(g, u, n, nthreads);
+}
+extern "C" void SD_EXPORT(sd_gelu_mul, SD_ISA)(float* g, const float* u, int64_t n, int nthreads) {
+  gated_mul<true>(g, u, n, nthreads);
 }
 
 // Rotary embedding in place: x [q, heads, D] (rows contiguous), cos/sin [q, D]; per element the same three
