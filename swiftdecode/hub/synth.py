@@ -20,7 +20,6 @@ import numpy as np
 from gguf import (
     GGML_QUANT_SIZES,
     GGML_QUANT_VERSION,
-    MODEL_ARCH,
     MODEL_ARCH_NAMES,
     MODEL_TENSOR,
     MODEL_TENSORS,
@@ -94,8 +93,7 @@ SHAPES = {
     "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
     "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6),
 }
-ARCHES = {MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.QWEN3, MODEL_ARCH.LLAMA, MODEL_ARCH.QWEN2, MODEL_ARCH.PHI3)}
-ARCHES |= {MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.SMOLLM3, MODEL_ARCH.GEMMA3)}
+ARCHES = {n: a for a, n in MODEL_ARCH_NAMES.items() if n in ("qwen3", "llama", "qwen2", "phi3", "smollm3", "gemma3")}
 GEMMA3_PATTERN = 6  # llama.cpp's gemma3 loader and transformers' Gemma3TextConfig both fix the pattern at 6
 
 # --format -> (llama.cpp's default block type for it, general.file_type)
