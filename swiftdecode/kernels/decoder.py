@@ -1,5 +1,6 @@
 """ctypes binding of csrc/decoder.cpp: a Llama-family decoder's layers (Qwen3's query/key norms, Phi-3's fused
-projections, SmolLM3's layers without rotary included) in one native call over quantized weights.
+projections, SmolLM3's layers without rotary, Gemma 3's GeLU, output norms and sliding-window layers included) in
+one native call over quantized weights.
 
 The layer table (weight descriptors, biases, norm weights) is bound once; a call passes the rows, the rotary
 tables, each sequence's mask and each (sequence, layer) cache buffer. The loop runs the same kernels in the same
