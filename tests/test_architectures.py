@@ -131,6 +131,11 @@ def test_native_loop_is_the_python_loops_bits_and_rows_are_batch_invariant(tiny)
             torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
             for x, y in zip(a.layers, b.layers, strict=True)
         )
+    _assert_chain_is_one_row_forwards(sm, name)
+
+
+def _assert_chain_is_one_row_forwards(sm: SwiftModel, name: str) -> None:
+    """An 8-token chain's logits are the bits of 8 one-token forwards on the same 30-token cache."""
     ids, cache = list(range(1000, 1038)), SwiftCache(sm.n_layers)
     with torch.inference_mode():
         sm.prefill(ids[:30], cache)
@@ -145,12 +150,39 @@ def test_native_loop_is_the_python_loops_bits_and_rows_are_batch_invariant(tiny)
 
 def test_every_method_is_token_identical_to_ar(tiny):
     name, _, _, (model, tok) = tiny
+    _assert_methods_match_ar(model, tok, name)
+
+
+def _assert_methods_match_ar(model, tok, name: str) -> None:
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "one two three one two three one two"]
     for prompt in prompts:
         want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=32).token_ids
         for method in ("swift", "suffix", "skip-only"):
             got = Generator(model, tok, method=method).generate(prompt, max_new_tokens=32).token_ids
             assert got == want, (name, method, prompt)
+
+
+@pytest.mark.parametrize("tiny", ["tiny-qwen3"], indirect=True)
+def test_activations_per_256_values_keep_every_invariant(tiny):
+    """`act_block=256` (int8 activation scales per 256 values, llama.cpp's Q8_K) takes effect in every product,
+    stays near transformers' float32 forward, and keeps what the default keeps: k rows are k one-row forwards bit
+    for bit, and every method is token-identical to `ar`."""
+    import swiftdecode
+    from swiftdecode.kernels.modules import QuantLinear
+
+    name, entry, path, (model32, _) = tiny
+    model, tok = swiftdecode.load(str(path), cache_dir=str(path.parent / "cache"), act_block=256, progress=False)
+    assert {m.kernel.act for m in model.modules() if isinstance(m, QuantLinear)} == {256}
+    assert "int8 activations per 256" in model.fast_path.reason
+    sm, ids = SwiftModel(model), list(range(300, 340))
+    with torch.inference_mode():
+        ours = sm.logits(sm.prefill(ids, SwiftCache(sm.n_layers)))
+        default = SwiftModel(model32).logits(SwiftModel(model32).prefill(ids, SwiftCache(sm.n_layers)))
+    ref = hf_logits(entry, path, ids)
+    assert not torch.equal(ours, default)
+    assert (ours - ref).abs().mean() < MEAN_TOLERANCE * ref.std()
+    _assert_chain_is_one_row_forwards(sm, name)
+    _assert_methods_match_ar(model, tok, name)
 
 
 @pytest.mark.parametrize("tiny", ["tiny-llama3"], indirect=True)

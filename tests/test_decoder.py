@@ -79,17 +79,23 @@ def test_float_projections_keep_the_python_loop(smollm_fp32):
     assert sm.lean._native(kernel) is None
 
 
-def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, fp32_builds):
-    """fast_path "skinny-avx2" (what an AVX2-only CPU runs) also picks the quantized kernel's AVX2 build, and a
-    whole quantized model's logits are the same bits as on the AVX-512 path: outputs do not depend on the CPU."""
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, isa):
+    """fast_path "skinny-avx2" (what an AVX2-only CPU runs) picks the quantized kernel's AVX2 build, and
+    "skinny-avxvnni" its AVX-VNNI build (float kernels: AVX2); a whole quantized model's logits are the same bits
+    as on the default path: outputs do not depend on the CPU."""
     import swiftdecode
+    from swiftdecode.kernels.build import KernelUnavailable
     from swiftdecode.kernels.modules import QuantLinear
+    from swiftdecode.kernels.qgemm import load_qkernel
 
-    if "avx2" not in {k.isa for k in fp32_builds}:
-        pytest.skip("no AVX2 build runs here")
-    model, _ = swiftdecode.load("smollm2-135m", fast_path="skinny-avx2", progress=False)
-    assert {m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear)} == {"avx2"}
-    assert model.fast_path.kernel.isa == "avx2"
+    try:
+        load_qkernel(isa)
+    except KernelUnavailable as e:
+        pytest.skip(f"no {isa} build runs here: {e}")
+    model, _ = swiftdecode.load("smollm2-135m", fast_path=f"skinny-{isa}", progress=False)
+    assert {m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear)} == {isa}
+    assert model.fast_path.kernel.isa == "avx2" and model.fast_path.path == f"skinny-{isa}"
     outs = []
     for m in (smollm[0], model):
         sm = SwiftModel(m)

@@ -340,6 +340,7 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert d["bandwidth_gbs"] > 0 and d["effective_gbs"] > 0
     assert all(type(m) is FastLinear for m in model.modules() if isinstance(m, nn.Linear))  # left accelerated
     assert d["layers"] == "native" and "native loop" in format_report(d)  # every projection of SmolLM2 is quantized
+    assert "AMX tiles:" in format_report(d)
     assert "speedup" in format_report(d)
     assert d["paths"][d["path"]]["draft_ms"] > 0 and "draft step" in format_report(d)  # half the sublayers skipped
     assert d["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, keys + values, 3 heads of 64, fp16
@@ -355,7 +356,46 @@ def test_doctor_reports_both_paths(kernel, smollm):
     ) and "inner step" in format_report(d)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_amx_detection_follows_the_cpu_flags():
+    """AMX tiles count as usable exactly where the CPU reports AMX-INT8 (and Linux then grants this process tile
+    data, as it does on the Xeons we meet); elsewhere the reason names what is missing."""
+    from swiftdecode.kernels.amx import AMX_FLAGS, amx_status
+    from swiftdecode.kernels.build import cpu_flags
+
+    usable, why = amx_status()
+    if AMX_FLAGS <= cpu_flags():
+        assert usable, why
+    else:
+        assert not usable and why.startswith("CPU lacks amx")
+    assert amx_status() == (usable, why)  # asked once per process
+
+
+def test_doctor_times_every_build_of_the_quantized_kernel(smollm):
+    """`doctor --builds`: k-row forwards to k = 32 on each build this CPU runs (avx2 at least, beside the loaded
+    one), and each other build named with why it does not run."""
+    import argparse
+
+    from swiftdecode.apps.doctor import BUILD_KS, builds, diagnose, format_report
+    from swiftdecode.kernels.build import KernelUnavailable
+    from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
+
+    model, _ = smollm
+    args = argparse.Namespace(model="smollm2-135m", cache_dir=None, context=8, repeats=1)
+    b = builds(args, model)
+    runs = set()
+    for isa in ISA_CPU_FLAGS:
+        try:
+            load_qkernel(isa)
+            runs.add(f"skinny-{isa}")
+        except KernelUnavailable as e:
+            assert b["unavailable"][isa] == str(e)
+    assert set(b["forward_ms"]) == runs and "skinny-avx2" in runs
+    assert all(set(f) == set(BUILD_KS) and min(f.values()) > 0 for f in b["forward_ms"].values())
+    report = format_report(diagnose(model, "auto", context=8, repeats=1) | {"builds": b})
+    assert all(name in report for name in runs) and "k=32" in report
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512"])
 def test_peak_rate_scales_with_the_rounds(isa):
     """The instruction's measured peak is a rate: twice the rounds take about twice the time (a loop the compiler
     had folded away would not), so the rate holds."""
@@ -369,7 +409,7 @@ def test_peak_rate_scales_with_the_rounds(isa):
     assert 1e9 < a and 0.5 < a / b < 2.0
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512"])
 def test_inner_step_rate_is_a_rate_below_the_peak(isa):
     """The products' inner step (dot products and float scaling, codes unpacked) runs at a rate: twice the rounds
     take about twice the time, for every format, and it never beats the bare instruction it is built on."""

@@ -9,8 +9,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from swiftdecode.kernels.build import KernelUnavailable
-from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
+from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT
+from swiftdecode.kernels.build import KernelUnavailable, build, cpu_flags
+from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, SOURCES, QKernel, load_qkernel
 from swiftdecode.kernels.qweight import FORMATS, QuantWeight
 
 FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a block
@@ -25,13 +26,23 @@ FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a bloc
 }
 
 
-def kernels():
+# The AVX-VNNI build's source compiled for AVX-512 VL + VNNI instead (vpdpbusd ymm in its EVEX encoding): the
+# same code path, so a CPU with AVX-512 but no AVX-VNNI (AMD Zen 4) tests that build's bits too.
+AVXVNNI_AS_EVEX = ["-DSD_AVXVNNI", "-mavx512f", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
+AVXVNNI_AS_EVEX_CPU = {"avx512f", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}
+
+
+def kernels(act: int = ACT_DEFAULT):
+    """The qgemm builds this CPU runs, activations quantized per `act` values (the AVX-VNNI build as EVEX code
+    where the CPU lacks AVX-VNNI but has AVX-512 VL + VNNI)."""
     out = []
     for isa in ISA_CPU_FLAGS:
         try:
-            out.append(load_qkernel(isa))
+            out.append(load_qkernel(isa, act))
         except KernelUnavailable:
-            pass
+            if isa == "avxvnni" and AVXVNNI_AS_EVEX_CPU <= cpu_flags():
+                flags = [*AVXVNNI_AS_EVEX, f"-DSD_ACT_BLOCKS={act // 32}"]
+                out.append(QKernel("avxvnni", build(SOURCES, f"qgemm_avxvnni_evex_a{act}", flags), act))
     if not out:
         pytest.skip("no qgemm build runs on this CPU")
     return out
@@ -48,31 +59,34 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return data.reshape(n, -1)
 
 
+@pytest.mark.parametrize("act", ACT_BLOCKS)
 @pytest.mark.parametrize("kind", list(FORMATS))
-def test_formats(kind):
-    n, k = 40, 512  # n not a multiple of the 16-row tile
+def test_formats(kind, act):
+    n, k = 40, 512 if kind.endswith("_K") else 608  # n not a multiple of the 16-row tile; K a partial 256-group
     data = random_blocks(kind, n, k)
     w = QuantWeight.from_gguf(kind, data, n, k)
     ref = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(1))  # past the 32-row pass: 32 + 32 + 6
     bias = torch.randn(n)
     results = []
-    for kern in kernels():
+    for kern in kernels(act):
         assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
         one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
         for rows in (3, 6, 8, 11, 16, 70):  # unrolled for exact counts (<= 4 AVX-512, <= 8 AVX2), rolled passes
             y = kern.linear(x[:rows], w, bias)
             assert torch.equal(y, one[:rows]), f"{kern.isa}: a {rows}-row product differs from one-row products"
         want = x @ ref.T + bias
-        assert ((y - want).norm() / want.norm()) < 0.02  # int8 activations: ~0.5% relative error
+        assert ((y - want).norm() / want.norm()) < 0.02  # int8 activations: ~0.5-1% relative error
         results.append(y)
     assert all(torch.equal(r, results[0]) for r in results), "the ISA builds disagree"
 
 
-def test_activation_codes_follow_their_definition():
-    """Each input row is quantized per 32 values as documented (d = amax / 127, q = nearbyint(x / d), ties to
-    even, NaN skipped in amax): a Q8_0 weight whose row j selects input j with weight 1 returns d * q exactly."""
-    k = 64
+@pytest.mark.parametrize("act", ACT_BLOCKS)
+def test_activation_codes_follow_their_definition(act):
+    """Each input row is quantized per `act` values as documented (d = amax / 127, q = nearbyint(x / d), ties to
+    even, NaN skipped in amax; the last group may be shorter): a Q8_0 weight whose row j selects input j with
+    weight 1 returns d * q exactly."""
+    k = 320
     data = np.zeros((k, k // 32, 34), dtype=np.uint8)
     data[..., 0:2] = np.array([1.0] * (k * k // 32), dtype=np.float16).view(np.uint8).reshape(k, k // 32, 2)
     for j in range(k):
@@ -83,17 +97,22 @@ def test_activation_codes_follow_their_definition():
     x[1, :32] = np.r_[127, np.arange(31) - 15.5]  # d = 1 and half-integer x / d: ties go to even codes
     x[2, 3] = np.nan
     x[3, 32:] = 0.0
-    blocks = x.reshape(5, k // 32, 32)
-    amax = np.max(np.where(np.isnan(blocks), 0, np.abs(blocks)), axis=2, keepdims=True)
+    want = np.concatenate([_dequantized_codes(x[:, g : g + act]) for g in range(0, k, act)], axis=1)
+    want = torch.from_numpy(want)
+    for kern in kernels(act):
+        got = kern.linear(torch.from_numpy(x), w)
+        assert torch.equal(got, want), f"{kern.isa}: activation codes differ from their definition"
+
+
+def _dequantized_codes(group: np.ndarray) -> np.ndarray:
+    """d * q of rows [M, n] quantized with one int8 scale per row, as documented."""
+    amax = np.max(np.where(np.isnan(group), 0, np.abs(group)), axis=1, keepdims=True)
     d = amax / np.float32(127)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
     with np.errstate(invalid="ignore"):
-        q = np.rint(blocks * inv)
+        q = np.rint(group * inv)
     q = np.where(np.isnan(q), 0, q)  # NaN codes: the int32 conversion's INT_MIN, whose low byte is 0
-    want = torch.from_numpy((d * q.astype(np.float32)).reshape(5, k).astype(np.float32))
-    for kern in kernels():
-        got = kern.linear(torch.from_numpy(x), w)
-        assert torch.equal(got, want), f"{kern.isa}: activation codes differ from their definition"
+    return (d * q.astype(np.float32)).astype(np.float32)
 
 
 def test_select_rows_matches_full_product():

@@ -24,7 +24,11 @@ def run(args: argparse.Namespace) -> int:
     import swiftdecode
 
     model, tokenizer = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+        args.model,
+        cache_dir=args.cache_dir,
+        fast_path=args.fast_path,
+        weights=args.weights,
+        act_block=args.act_block,
     )
     gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=PREFIX_CACHE_GB)  # earlier turns
     history = [{"role": "system", "content": args.system}] if args.system else []

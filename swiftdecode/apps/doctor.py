@@ -24,6 +24,7 @@ from swiftdecode.base.config import isa_of
 from swiftdecode.base.errors import UserError
 
 KS = (1, 2, 4, 8, 16)
+BUILD_KS = (1, 2, 4, 8, 16, 32)  # --builds: the k-row curve to 32 rows (verification trees, batches, prompt chunks)
 DRAFT_SKIP_RATIO = 0.5  # the layer-skip draft step timed beside them: SWIFT's searched sets skip about half
 
 
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time prompt reading (pp512) and decoding (tg128) as llama.cpp's llama-bench defines them, ours "
         "and llama-bench's own on the same GGUF file (needs its binary: ../shared/tools/llama-cpp-peer.sh)",
+    )
+    parser.add_argument(
+        "--builds",
+        action="store_true",
+        help="also time k-row forwards (k = 1..32) on every build of the quantized kernel this CPU runs, side by "
+        "side (each a load of the same model), and say why the others do not run",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -103,7 +110,11 @@ def weight_format(model) -> str:
     return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
-INSTRUCTION = {"avx512": "vpdpbusd zmm", "avx2": "vpmaddubsw ymm"}  # what csrc/roofline.cpp times per build
+INSTRUCTION = {
+    "avx512": "vpdpbusd zmm",
+    "avxvnni": "vpdpbusd ymm",
+    "avx2": "vpmaddubsw ymm",
+}  # what csrc/roofline.cpp times per build
 
 
 def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
@@ -142,12 +153,14 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
     }
 
 
-def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[str, dict[str, dict]]:
+def time_forwards(
+    runs: list[tuple[object, str]], context: int, repeats: int, ks: tuple[int, ...] = KS
+) -> dict[str, dict[str, dict]]:
     """Median wall and calling-thread CPU ms of the engine's k-token forward (a verification: k causal rows and
     their full-vocabulary logits) after `context` tokens, and of a one-token draft step with the inner layers'
-    sublayers skipped at DRAFT_SKIP_RATIO (SkipSet.uniform), per fast-path mode ({path: {"wall": {k: ms},
-    "cpu": {k: ms}, "draft": ms}}); repeats interleaved. With one torch thread, CPU time is the forward's own
-    work, unaffected by other processes taking the cores."""
+    sublayers skipped at DRAFT_SKIP_RATIO (SkipSet.uniform), per (model, fast-path mode) run ({path: {"wall":
+    {k: ms}, "cpu": {k: ms}, "draft": ms}}, paths distinct); repeats interleaved. With one torch thread, CPU time
+    is the forward's own work, unaffected by other processes taking the cores."""
     import torch
 
     from swiftdecode.runtime.cache import SwiftCache
@@ -156,21 +169,22 @@ def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[s
     from swiftdecode.runtime.skip import SkipSet
 
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = runs[0][0].config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
-    new = torch.randint(0, vocab, (max(KS),), generator=g).tolist()
-    times = {p: {c: {k: [] for k in KS} for c in ("wall", "cpu")} | {"draft": []} for p in paths}
-    sm, caches = SwiftModel(model), {}
-    draft = SkipSet.uniform(sm.n_layers, DRAFT_SKIP_RATIO)
-    for path in paths:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
+    new = torch.randint(0, vocab, (max(ks),), generator=g).tolist()
+    times = {p: {c: {k: [] for k in ks} for c in ("wall", "cpu")} | {"draft": []} for _, p in runs}
+    by_model = {id(m): SwiftModel(m) for m, _ in runs}  # one per model: a model's paths share it
+    sms, caches = {p: by_model[id(m)] for m, p in runs}, {}
+    draft = SkipSet.uniform(sms[runs[0][1]].n_layers, DRAFT_SKIP_RATIO)
+    for model, path in runs:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
         accelerate(model, path)
-        caches[path] = SwiftCache(sm.n_layers)
-        sm.prefill(prompt, caches[path])
+        caches[path] = SwiftCache(sms[path].n_layers)
+        sms[path].prefill(prompt, caches[path])
     for rep in range(repeats + 1):  # first round warms up
-        for path in paths:
+        for model, path in runs:
             accelerate(model, path)
-            cache = caches[path]
-            for k in KS:
+            sm, cache = sms[path], caches[path]
+            for k in ks:
                 causal = torch.ones(k, k, dtype=torch.bool).tril_()
                 t, c = time.perf_counter(), time.thread_time()
                 sm.logits(sm.forward(new[:k], torch.arange(context, context + k), causal, cache))
@@ -190,10 +204,42 @@ def time_forwards(model, paths: list[str], context: int, repeats: int) -> dict[s
     }
 
 
+def builds(args: argparse.Namespace, model) -> dict:
+    """`--builds`: {"forward_ms": {path: {k: ms}}, "unavailable": {build: why}} for every build of the quantized
+    kernel (one load of the model each, on the model's activation quantization; `model` itself where it runs
+    that build), k-row forwards interleaved; {} on float weights."""
+    import swiftdecode
+    from swiftdecode.kernels.build import KernelUnavailable
+    from swiftdecode.kernels.modules import QuantLinear
+    from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
+
+    kernel = next((m.kernel for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if kernel is None:
+        return {}
+    runs, unavailable = [], {}
+    for isa in ISA_CPU_FLAGS:
+        try:
+            load_qkernel(isa, kernel.act)
+        except KernelUnavailable as e:
+            unavailable[isa] = str(e)
+            continue
+        other = model if isa == kernel.isa else None  # another build: the layout file's pages are shared
+        other = (
+            other
+            or swiftdecode.load(
+                args.model, cache_dir=args.cache_dir, fast_path=f"skinny-{isa}", act_block=kernel.act, progress=False
+            )[0]
+        )
+        runs.append((other, f"skinny-{isa}"))
+    ms = time_forwards(runs, args.context, args.repeats, BUILD_KS)
+    return {"forward_ms": {p: t["wall"] for p, t in ms.items()}, "unavailable": unavailable}
+
+
 def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 7) -> dict:
     """Everything `doctor` prints, as a dict; leaves `model` accelerated with `fast_path`."""
     import torch
 
+    from swiftdecode.kernels.amx import amx_status
     from swiftdecode.runtime.fastpath import accelerate
     from swiftdecode.runtime.lean import why_not
     from swiftdecode.runtime.model import SwiftModel
@@ -202,7 +248,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         raise UserError("--context and --repeats must be >= 1")
     info = accelerate(model, fast_path)
     paths = ["torch"] + ([fast_path] if info.path != "torch" else [])
-    ms = time_forwards(model, paths, context, repeats)
+    ms = time_forwards([(model, p) for p in paths], context, repeats)
     info = accelerate(model, fast_path)
     sm, nbytes = SwiftModel(model), weight_bytes(model)
 
@@ -224,6 +270,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "blas": blas_info(),
         "path": info.path,
         "reason": info.reason,
+        "amx": amx_status(),
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
         "layers": sm.layer_loop(),
@@ -257,6 +304,7 @@ def format_report(d: dict) -> str:
             else []
         ),
         f"layers:     {LAYER_LOOPS[d['layers']]}" + (f": {d['layers_why']}" if d.get("layers_why") else ""),
+        "AMX tiles:  " + ("usable here; not used: the kernels have vector builds only" if d["amx"][0] else d["amx"][1]),
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)",
@@ -288,6 +336,12 @@ def format_report(d: dict) -> str:
             + "".join(f"{r['step_ms'][k]:8.1f}ms{'':6}" for k in KS)
             + f"   (the products' inner step alone: {r['step_gmacs']:.0f} GMAC/s)",
         ]
+    if b := d.get("builds"):
+        lines += ["", "the quantized kernel's builds, whole forwards (k rows, and over one row):"]
+        lines.append(f"{'build':<16}" + "".join(f"{f'k={k}':>16}" for k in BUILD_KS))
+        for name, f in b["forward_ms"].items():
+            lines.append(f"{name:<16}" + "".join(f"{f[k]:8.1f}ms {f[k] / f[1]:4.2f}x" for k in BUILD_KS))
+        lines += [f"{f'skinny-{isa}':<16}not on this CPU: {why}" for isa, why in b["unavailable"].items()]
     if b := d.get("llama_bench"):
         from swiftdecode.apps.bench.llama_bench import report_lines
 
@@ -300,47 +354,31 @@ def format_report(d: dict) -> str:
     return "\n".join(lines)
 
 
-def llama_bench_file(args: argparse.Namespace):
-    """The GGUF file `--llama-bench` runs llama.cpp on, checked before the model loads (with its binary)."""
-    from swiftdecode.apps.bench import llama_bench
-    from swiftdecode.apps.bench.peers import find_binary
-    from swiftdecode.hub import locate_gguf
-
-    if find_binary(llama_bench.BINARY) is None:
-        raise UserError(llama_bench.HOW_TO)
-    found = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
-    if found is None:
-        raise UserError(f"--llama-bench runs llama.cpp on the model's GGUF file; {args.model!r} has none")
-    return found[0]
-
-
-def beside_llama_bench(model, gguf, repeats: int) -> dict:
-    """{"ours": {"pp", "tg"}, "llama.cpp": {...}} tokens/s (apps/bench/llama_bench.py) on the same GGUF file."""
-    import torch
-
-    from swiftdecode.apps.bench import llama_bench
-
-    theirs = llama_bench.peer(gguf, torch.get_num_threads(), repeats=repeats)
-    return {"ours": llama_bench.ours(model, repeats=repeats), "llama.cpp": theirs}
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import swiftdecode
+    from swiftdecode.apps.bench import llama_bench
 
     if args.threads is not None:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    gguf = llama_bench_file(args) if args.llama_bench else None
+    gguf = llama_bench.gguf_of(args) if args.llama_bench else None
     # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
     load_path = args.fast_path if isa_of(args.fast_path) else "torch"
     model, _ = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path=load_path, weights=args.weights, progress=not args.json
+        args.model,
+        cache_dir=args.cache_dir,
+        fast_path=load_path,
+        weights=args.weights,
+        act_block=args.act_block,
+        progress=not args.json,
     )
     d = diagnose(model, args.fast_path, args.context, args.repeats)
+    if args.builds:
+        d["builds"] = builds(args, model)
     if args.llama_bench:
-        d["llama_bench"] = beside_llama_bench(model, gguf, args.repeats)
+        d["llama_bench"] = llama_bench.beside(model, gguf, args.repeats)
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return 0

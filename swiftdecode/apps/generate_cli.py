@@ -145,7 +145,11 @@ def run(args: argparse.Namespace) -> int:
     import swiftdecode
 
     model, tokenizer = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+        args.model,
+        cache_dir=args.cache_dir,
+        fast_path=args.fast_path,
+        weights=args.weights,
+        act_block=args.act_block,
     )
     shared = PREFIX_CACHE_GB if len(prompts) > 1 else 0.0  # later prompts may begin as earlier ones (chat template)
     gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=shared)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT, ACT_HELP
 from swiftdecode.hub import DEFAULT_MODEL, WEIGHTS, known_names, pull
 
 
@@ -14,10 +15,11 @@ def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """Add `--model` and `--cache-dir`, shared by every command that loads a model."""
+    """Add `--model`, `--weights`, `--act-block` and `--cache-dir`, shared by every command that loads a model."""
     names = f"registry name ({known_names()}), HF folder, .gguf file or hub id"
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"{names} (default: {DEFAULT_MODEL})")
     _add_weights(parser)
+    parser.add_argument("--act-block", type=int, choices=ACT_BLOCKS, default=ACT_DEFAULT, help=ACT_HELP)
     _add_cache_dir(parser)
 
 

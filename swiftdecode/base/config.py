@@ -10,8 +10,20 @@ from swiftdecode.base.errors import UserError
 
 # CPU paths of the fast kernels (fastpath.accelerate): "auto" picks the best this CPU runs (else torch), "skinny"
 # insists on a kernel, "skinny-<isa>" runs that ISA's build of every kernel, the quantized ones included.
-FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avx2")
-FAST_PATH_HELP = "CPU kernel path: auto (default), torch, skinny, skinny-avx512 or skinny-avx2 (that ISA's build)"
+FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avxvnni", "skinny-avx2")
+FAST_PATH_HELP = (
+    "CPU kernel path: auto (default), torch, skinny, skinny-avx512, skinny-avxvnni or skinny-avx2 (that ISA's build)"
+)
+# Values per int8 scale of the activations the quantized products read (kernels/csrc/qgemm.cpp): 32, like
+# llama.cpp's Q8_0, or 256, like its Q8_K (one multiply per row and 32-block fewer). 32 is the default by
+# measurement: mean KL divergence from float32 4.0-4.9x lower (Qwen2.5-Coder-0.5B/1.5B, news and code; 256 is
+# at llama.cpp's on K-quant weights), for products at most 3% slower on AMD Zen 4 (docs/performance.md).
+ACT_BLOCKS = (32, 256)
+ACT_DEFAULT = 32
+ACT_HELP = (
+    "values per int8 activation scale on GGUF weights: 32 (default, like llama.cpp's Q8_0; closest to float32) "
+    "or 256 (like its Q8_K)"
+)
 
 
 def isa_of(fast_path: str) -> str | None:

@@ -45,7 +45,7 @@ def pick_isa(table: dict[str, set[str]], isa: str | None = None) -> str:
     flags = cpu_flags()
     if isa is not None:
         if not table[isa] <= flags:
-            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(table[isa]))}")
+            raise KernelUnavailable(f"CPU lacks {'+'.join(sorted(table[isa] - flags))} ({isa} build)")
         return isa
     for name, need in table.items():
         if need <= flags:

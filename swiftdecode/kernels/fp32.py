@@ -21,6 +21,9 @@ from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}}
+# The float kernels have no integer dot products: a fast path naming the quantized kernel's AVX-VNNI build runs
+# their AVX2 build.
+FLOAT_BUILD_OF = {"avxvnni": "avx2"}
 ATTN_HEADS = 4  # HB in csrc: query heads per attention work item; scratch is (HB + 1) * T floats per thread
 
 
@@ -204,7 +207,7 @@ _KERNELS: dict[str, Kernel] = {}
 
 def load_kernel(isa: str | None = None) -> Kernel:
     """Build (once, cached on disk) and load the kernel, then check it against torch; KernelUnavailable if not."""
-    isa = pick_isa(ISA_CPU_FLAGS, isa)
+    isa = pick_isa(ISA_CPU_FLAGS, FLOAT_BUILD_OF.get(isa, isa))
     if isa not in _KERNELS:
         try:
             kernel = Kernel(isa, build_kernel(isa))

@@ -2,9 +2,11 @@
 library holds csrc/decoder.cpp's layer loop, bound in kernels/decoder.py, and csrc/roofline.cpp's peak rate of
 the product's multiply-accumulate instruction).
 
-One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + VNNI) or `avx2` (AVX2 + FMA +
-F16C). Both return bit-identical results (integer dot products, one fixed float sequence per output; see the
-source), so a model's numerics do not depend on the machine's SIMD width.
+One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + VNNI), `avxvnni` (AVX-VNNI:
+vpdpbusd on ymm, Intel client CPUs without AVX-512) or `avx2` (AVX2 + FMA + F16C), and per activation
+quantization (int8 scales per 32 or per 256 values). The ISA builds return bit-identical results (integer dot
+products, one fixed float sequence per output; see the source), so a model's numerics do not depend on the
+machine's SIMD width.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from pathlib import Path
 
 import torch
 
+from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "decoder.cpp", "roofline.cpp")]
 ISA_FLAGS = {
     "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avxvnni": ["-DSD_AVXVNNI", "-mavxvnni", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-ISA_CPU_FLAGS = {
+ISA_CPU_FLAGS = {  # widest first: the first this CPU runs is the default
     "avx512": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avxvnni": {"avx_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
 }
 MAX_WEIGHTS = 8  # csrc MAX_WEIGHTS: weights one linear_many call takes
@@ -69,10 +74,10 @@ class Plan:
 
 
 class QKernel:
-    """The qgemm library of one ISA."""
+    """The qgemm library of one ISA and activation quantization (`act` values per int8 scale)."""
 
-    def __init__(self, isa: str, lib: Path):
-        self.isa = isa
+    def __init__(self, isa: str, lib: Path, act: int):
+        self.isa, self.act = isa, act
         self.lib = ctypes.CDLL(str(lib))  # torch is imported first, so OpenMP resolves to torch's libgomp
         self._linear = getattr(self.lib, f"sd_qlinear_{isa}")
         self._linear.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int]
@@ -110,7 +115,7 @@ class QKernel:
 
     def peak_macs(self, threads: int, reps: int = PEAK_REPS, tries: int = 5) -> float:
         """Multiply-accumulates per second that `threads` threads reach with the product's integer dot-product
-        instruction alone (vpdpbusd zmm on avx512, vpmaddubsw ymm on avx2), best of `tries`."""
+        instruction alone (vpdpbusd zmm on avx512, vpdpbusd ymm on avxvnni, vpmaddubsw ymm on avx2), best of `tries`."""
         sink = _I(0)
         return self._peak(reps, threads, tries, ctypes.byref(sink))
 
@@ -131,15 +136,19 @@ class QKernel:
         return out.reshape(*ids.shape, w.k)
 
 
-_KERNELS: dict[str, QKernel] = {}
+_KERNELS: dict[tuple[str, int], QKernel] = {}
 
 
-def load_qkernel(isa: str | None = None) -> QKernel:
-    """Build (once, cached on disk) and load the qgemm library for `isa` (default: the best this CPU runs)."""
+def load_qkernel(isa: str | None = None, act: int = ACT_DEFAULT) -> QKernel:
+    """Build (once, cached on disk) and load the qgemm library for `isa` (default: the best this CPU runs) whose
+    input rows are quantized per `act` values (base.config.ACT_BLOCKS; one library per choice)."""
     isa = pick_isa(ISA_CPU_FLAGS, isa)
-    if isa not in _KERNELS:
+    if act not in ACT_BLOCKS:
+        raise ValueError(f"activations are quantized per {' or '.join(map(str, ACT_BLOCKS))} values, not {act}")
+    if (isa, act) not in _KERNELS:
+        flags = [*ISA_FLAGS[isa], f"-DSD_ACT_BLOCKS={act // 32}"]
         try:
-            _KERNELS[isa] = QKernel(isa, build(SOURCES, f"qgemm_{isa}", ISA_FLAGS[isa]))
+            _KERNELS[isa, act] = QKernel(isa, build(SOURCES, f"qgemm_{isa}_a{act}", flags), act)
         except OSError as e:
             raise KernelUnavailable(f"qgemm load failed: {e}") from e
-    return _KERNELS[isa]
+    return _KERNELS[isa, act]

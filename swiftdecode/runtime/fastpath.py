@@ -235,10 +235,11 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
             m.weight.data = m.weight.data.t().contiguous().t()
             m.role = role
     n = sum(isinstance(m, FastLinear) for m in linears)
-    reason = f"{kernel.isa} batch-invariant skinny GEMM ({n} linear layers)"
-    if quant:
-        isa = next(m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear))
-        reason = f"{isa} batch-invariant quantized GEMM ({quant} layers, int8 activations)" + (
+    isa, reason = kernel.isa, f"{kernel.isa} batch-invariant skinny GEMM ({n} linear layers)"
+    if quant:  # the path is named for the quantized kernel's build (its fp32 kernels may be another's)
+        qk = next(m.kernel for m in model.modules() if isinstance(m, QuantLinear))
+        isa = qk.isa
+        reason = f"{isa} batch-invariant quantized GEMM ({quant} layers, int8 activations per {qk.act})" + (
             f" + fp32 skinny GEMM ({n} layers)" if n else ""
         )
     config = getattr(model, "config", None)
@@ -247,7 +248,7 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
 
         use_attention(model, f"swiftdecode-{kernel.isa}", partial(invariant_attention, kernel), sdpa_mask)
         reason += " + order-invariant attention"
-    return FastPathInfo(f"skinny-{kernel.isa}", reason, n + quant, kernel, sparsity)
+    return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity)
 
 
 def _unavailable(mode: str, reason: str) -> FastPathInfo:

@@ -19,6 +19,7 @@ def serve_args(args: argparse.Namespace, method: str, queue: int, replicas: int,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = ["--model", args.model, "--method", method, "--weights", args.weights, "--fast-path", args.fast_path]
+    argv += ["--act-block", str(args.act_block)]
     argv += ["--ray", "--replicas", str(replicas), "--threads", str(threads), "--port", str(port)]
     argv += ["--max-batch", str(args.max_batch), "--max-queue", str(queue), "--served-model-name", MODEL_ID]
     argv += ["--cache-dir", args.cache_dir] if args.cache_dir else []

@@ -85,3 +85,23 @@ def report_lines(ours_ts: dict[str, float], peer_ts: dict[str, float | str], pp:
         f"{peer_ts['pp_repack']}, tg --repack {peer_ts['tg_repack']})"
     )
     return lines
+
+
+def gguf_of(args):
+    """The GGUF file `doctor --llama-bench` runs llama.cpp on, checked (with the binary) before the model loads."""
+    from swiftdecode.hub import locate_gguf
+
+    if find_binary(BINARY) is None:
+        raise UserError(HOW_TO)
+    found = locate_gguf(args.model, cache_dir=args.cache_dir, progress=False)
+    if found is None:
+        raise UserError(f"--llama-bench runs llama.cpp on the model's GGUF file; {args.model!r} has none")
+    return found[0]
+
+
+def beside(model, gguf, repeats: int) -> dict:
+    """{"ours": {"pp", "tg"}, "llama.cpp": {...}} tokens/s (apps/bench/llama_bench.py) on the same GGUF file."""
+    import torch
+
+    theirs = peer(gguf, torch.get_num_threads(), repeats=repeats)
+    return {"ours": ours(model, repeats=repeats), "llama.cpp": theirs}

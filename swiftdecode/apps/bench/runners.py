@@ -27,7 +27,13 @@ def load_target(args: argparse.Namespace):
     """(model, tokenizer, fast-path info as a dict) of the benchmarked model, on the fast path."""
     import swiftdecode
 
-    model, tok = swiftdecode.load(args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights)
+    model, tok = swiftdecode.load(
+        args.model,
+        cache_dir=args.cache_dir,
+        fast_path=args.fast_path,
+        weights=args.weights,
+        act_block=args.act_block,
+    )
     return model, tok, {"path": model.fast_path.path, "reason": model.fast_path.reason}
 
 

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     text = corpus_text(args.corpus, args.data)
     progress = not args.json
     load = {"cache_dir": args.cache_dir, "progress": progress}
-    model, tok = swiftdecode.load(args.model, fast_path=args.fast_path, weights=args.weights, **load)
+    model, tok = swiftdecode.load(
+        args.model, fast_path=args.fast_path, weights=args.weights, act_block=args.act_block, **load
+    )
     ids = tok.encode(text)
     bos = ids[0] if tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id] else None
     wins = windows(ids, args.ctx, args.windows, bos)
@@ -67,14 +69,17 @@ def run(args: argparse.Namespace) -> int:
             fill(SwiftModel(ref), wins, store, progress)
             del ref
             gc.collect()
-    path = model.fast_path.path
     result = {
         "model": args.model,
         "corpus": args.corpus,
         "ctx": args.ctx,
         "windows": len(wins),
         "reference": args.reference,
-        "swiftdecode": {"weights": args.weights, "path": path, **evaluate(SwiftModel(model), wins, store, progress)},
+        "swiftdecode": {
+            "weights": args.weights if args.weights == "fp32" else f"{args.weights} a{args.act_block}",
+            "path": model.fast_path.path,
+            **evaluate(SwiftModel(model), wins, store, progress),
+        },
     }
     if args.llama_cpp:
         result["llama.cpp"] = _llama(args, text, len(wins), cache)
@@ -111,7 +116,7 @@ FLOOR_NOTE = (
     "llama.cpp stores its reference's log-probabilities as 16-bit integers: its last row is that rounding alone "
     "(part of its KLD above)."
 )
-ROW = "| {:<36} | {:>9} | {:>9} | {:>9} | {:>9} | {:>8} |"
+ROW = "| {:<37} | {:>9} | {:>9} | {:>9} | {:>9} | {:>8} |"
 
 
 def format_table(r: dict) -> str:

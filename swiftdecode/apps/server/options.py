@@ -46,7 +46,11 @@ def engine(args: argparse.Namespace):
 
         torch.set_num_threads(args.threads)
     model, tokenizer = swiftdecode.load(
-        args.model, cache_dir=args.cache_dir, fast_path=args.fast_path, weights=args.weights
+        args.model,
+        cache_dir=args.cache_dir,
+        fast_path=args.fast_path,
+        weights=args.weights,
+        act_block=args.act_block,
     )
     config = replace(preset(args.method), copy_pool=args.copy_pool) if args.method != "ar" else None
     gen = swiftdecode.Generator(model, tokenizer, args.method, config, prefix_cache_gb=args.prefix_cache_gb)

@@ -4,13 +4,15 @@
 // memory, and verification must return for each row bit-for-bit what a one-row product returns (that is what
 // keeps speculative decoding lossless). No library kernel we could use promises the second property.
 //
-// Numerics (the same on every ISA): each input row is quantized per 32 values to int8 (scale dx = amax/127,
-// round to nearest even), like llama.cpp's Q8_0 activations. Per (output row n, 32-block b) the kernel forms
+// Numerics (the same on every ISA): each input row is quantized to int8 per group of ACT_BLOCKS 32-blocks
+// (scale dx = amax/127, round to nearest even): per 32 values (ACT_BLOCKS = 1) like llama.cpp's Q8_0
+// activations, or per 256 (-DSD_ACT_BLOCKS=8) like its Q8_K. Per (output row n, 32-block b) the kernel forms
 // exact integer dot products of the weight's unsigned codes u with the int8 codes, then adds its float
-// contribution to one fp32 accumulator per (m, n), blocks in order b = 0, 1, ..., with the per-format
-// formula below. Integer sums are exact and the float sequence depends only on (m, n), never on M, the thread
-// split or the ISA, so row m of an M-row product is bit-identical to the 1-row product, and the AVX2 build
-// returns exactly what the AVX-512 build returns.
+// contribution to one fp32 accumulator per (m, n), blocks in order b = 0, 1, ..., with the per-format formula
+// below: per 32, acc += (a dx) s; per 256, the group's acc_g += a s (no dx: one multiply per row and block
+// fewer) and acc = dx_g acc_g + acc at the group's end. Integer sums are exact and the float sequence depends
+// only on (m, n), never on M, the thread split or the ISA, so row m of an M-row product is bit-identical to the
+// 1-row product, and the AVX2 and AVX-VNNI builds return exactly what the AVX-512 build returns.
 //
 // Weight layout (written by swiftdecode/kernels/qweight.py from the GGUF blocks, same bits, rows interleaved):
 // rows in tiles of 16 lanes; per tile and 32-block, `lo` holds 4 loads of [16 lanes x 4 bytes]: load h, lane j,
@@ -39,6 +41,10 @@
 #include "split.h"
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
+#ifndef SD_ACT_BLOCKS
+#define SD_ACT_BLOCKS 1
+#endif
+#define ACT_BLOCKS SD_ACT_BLOCKS  // 32-blocks per activation scale (1 or 8), fixed per library (kernels/qgemm.py)
 #define LANES 16  // rows per tile
 #define LOAD 64   // bytes per plane load: 16 lanes x 4 codes
 
@@ -159,7 +165,14 @@ static inline void store_codes(int8_t* q, const vi c[32 / W]) {
 #define UNROLLED_ROWS 4
 #define SD_ISA avx512
 #else
+#if defined(SD_AVXVNNI)
+// The AVX-VNNI build (Intel client CPUs since Alder Lake: VEX vpdpbusd on ymm, no AVX-512): the AVX2 build's
+// 8-lane traits with the AVX-512 build's dot products. Rows unrolled as on AVX-512 (16 ymm registers hold 8
+// codes and the accumulators: 8 rows would spill).
+#define UNROLLED_ROWS 4
+#else
 #define UNROLLED_ROWS 8
+#endif
 #define W 8
 typedef __m256i vi;
 typedef __m256 vf;
@@ -171,6 +184,18 @@ static inline vi sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm256_set1_epi8((char)v); }
 static inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
 static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+#if defined(SD_AVXVNNI)
+// acc += u8 x s8 products, 4 per lane, of codes u and the 4 int8 at p broadcast to every lane (VEX has no
+// embedded broadcast: a vpbroadcastd from memory, a load-port operation). Without -mavxvnni (a CPU with AVX-512
+// VL + VNNI testing this build) the same instruction in its EVEX encoding.
+static inline vi dot_bcast(vi acc, vi u, const int8_t* p) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, bcast4(p));
+#else
+  return _mm256_dpbusd_epi32(acc, u, bcast4(p));
+#endif
+}
+#endif
 static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm256_slli_epi32(a, n); }
@@ -213,7 +238,14 @@ static inline void store_codes(int8_t* q, const vi c[32 / W]) {  // low bytes: p
   const vi bytes = _mm256_packus_epi16(a, b);  // per 128-bit half: 4 values of each of c[0..3], in turn
   _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
+#if defined(SD_AVXVNNI)
+#define SD_ISA avxvnni
+#else
 #define SD_ISA avx2
+#endif
+#endif
+#if defined(SD_AVX512) || defined(SD_AVXVNNI)
+#define SD_VNNI  // u8 x s8 dot products into int32 (vpdpbusd): no saturation, whole-byte codes fed as loaded
 #endif
 
 #define SD_PASTE(a, b) a##_##b
@@ -234,7 +266,7 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
   if (Fmt<F>::hb == 8) {
     for (int g = 0; g < 8; g++) {
       vi v = ld(lo + g * LOAD + e * 4);
-#if defined(SD_AVX512)
+#if defined(SD_VNNI)
       u[g] = v;
 #else
       u[g] = and_(v, m4);
@@ -280,7 +312,7 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
 // Integer dot products of one input row's 32-block with the unpacked codes, each sum starting from its offset
 // term (or zero): s[0] over values 0..15 from init[0], s[1] over 16..31 from init[1] (only Q6_K needs them
 // apart; otherwise s[0] holds the whole block, from init[0]).
-#if defined(SD_AVX512)
+#if defined(SD_VNNI)
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2],
                                                            const vi init[2]) {
@@ -341,7 +373,9 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
 }
 #endif
 
-// acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales.
+// acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales. With
+// per-32 activation scales the scale product a * dx is formed per row and block; with per-group scales
+// (ACT_BLOCKS > 1) acc is the group's sum in the units of its scale, which tile_rows applies once per group.
 template <int F>
 __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
                                                            const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
@@ -355,15 +389,16 @@ __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t
     init[0] = seti(x.noff[(plane * x.M + m) * nb + blk]);
   }
   block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
-  const vf vdx = fset(x.d[m * nb + blk]);
-  if (Fmt<F>::sub16) {
-    acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
-    acc = ffma(fmul(a1, vdx), cvt(s[1]), acc);
-    return;
+  if (ACT_BLOCKS == 1) {
+    const vf vdx = fset(x.d[m * nb + blk]);
+    a0 = fmul(a0, vdx);
+    if (Fmt<F>::sub16) a1 = fmul(a1, vdx);
   }
-  acc = ffma(fmul(a0, vdx), cvt(s[0]), acc);
-  if (Fmt<F>::mins) {
-    const vf fsx = fset(x.ds[m * nb + blk]);  // d * (float)(the block's sum of q), a broadcast from memory
+  acc = ffma(a0, cvt(s[0]), acc);
+  if (Fmt<F>::sub16) {
+    acc = ffma(a1, cvt(s[1]), acc);
+  } else if (Fmt<F>::mins) {
+    const vf fsx = fset(x.ds[m * nb + blk]);  // the block's sum of q (times d per 32), a broadcast from memory
     acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
   }
 }
@@ -412,7 +447,7 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
     const int64_t n0 = t * LANES + e;
     if (n0 >= w.N) break;
     const int n = (int)(w.N - n0 < W ? w.N - n0 : W);
-    vf acc[R ? R : RMAX];
+    vf acc[R ? R : RMAX], out[ACT_BLOCKS > 1 ? (R ? R : RMAX) : 1];  // out: the sum of scaled groups
     for (int i = 0; i < rows; i++) acc[i] = fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
       if (e == 0) {  // planes are tile-major: `ahead` runs on into tile t + 1; later lane groups find it cached
@@ -421,9 +456,17 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
         for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
       }
       tile_block<F, R>(w, x, t, blk, e, m0, rows, acc);
+      if (ACT_BLOCKS > 1 && (blk % ACT_BLOCKS == ACT_BLOCKS - 1 || blk == nb - 1)) {  // a group's end: scale it
+        for (int i = 0; i < rows; i++) {
+          const vf dx = fset(x.d[(m0 + i) * nb + blk]);
+          out[i] = blk < ACT_BLOCKS ? fmul(dx, acc[i]) : ffma(dx, acc[i], out[i]);
+          acc[i] = fzero();
+        }
+      }
     }
     for (int i = 0; i < rows; i++) {
-      vf v = bias ? fadd(acc[i], fload(bias + n0, n)) : acc[i];
+      const vf r = ACT_BLOCKS > 1 ? out[i] : acc[i];
+      vf v = bias ? fadd(r, fload(bias + n0, n)) : r;
       fstore(y + (m0 + i) * w.N + n0, v, n);
     }
   }
@@ -453,36 +496,43 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
 }
 
 // 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32] (at row m of
-// each), and its offset terms noff [OFF_PLANES, M, K/32]. Lane-wise float operations only
-// (|x| and max are exact, then one multiply and a round to nearest even per value), so every build returns the
-// same codes as the scalar definition: amax = max |x_i| (NaN values skipped), d = amax / 127,
-// q_i = (int8_t)nearbyint(x_i * (1 / d)), noff16 = -OFF16 * the sums of each 16 values' int32 codes.
+// each), and its offset terms noff [OFF_PLANES, M, K/32], in groups of ACT_BLOCKS blocks sharing one scale (b0 a
+// group's first block). Lane-wise float operations only (|x| and max are exact, then one multiply and a round to
+// nearest even per value), so every build returns the same codes as the scalar definition: per group,
+// amax = max |x_i| (NaN values skipped), d = amax / 127, q_i = (int8_t)nearbyint(x_i * (1 / d)); every block of
+// the group stores d; ds = d * (float)(the block's sum of q) per 32, the exact (float)sum with groups;
+// noff16 = -OFF16 * the sums of each 16 values' int32 codes.
 static void quantize_blocks(const float* x, int8_t* q, float* d, int32_t* noff16, float* ds, int32_t* noff,
                             int64_t m, int64_t b0, int64_t b1, int64_t M, int64_t K) {
-  for (int64_t b = b0; b < b1; b++) {
-    const float* xb = x + m * K + b * 32;
+  for (int64_t g0 = b0; g0 < b1; g0 += ACT_BLOCKS) {
+    const int64_t g1 = std::min(b1, g0 + ACT_BLOCKS);
     vf mx = fzero();
-    for (int j = 0; j < 32; j += W) mx = fmax_(fabs_(floadu(xb + j)), mx);  // a NaN |x| keeps mx: no NaN lanes
+    for (int64_t j = g0 * 32; j < g1 * 32; j += W)
+      mx = fmax_(fabs_(floadu(x + m * K + j)), mx);  // a NaN |x| keeps mx: no NaN lanes
     const float db = hmax(mx) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    vi c[32 / W];
-    for (int j = 0; j < 32; j += W) c[j / W] = fround(fmul(floadu(xb + j), fset(id)));
-    store_codes(q + m * K + b * 32, c);
+    for (int64_t b = g0; b < g1; b++) {
+      const float* xb = x + m * K + b * 32;
+      vi c[32 / W];
+      for (int j = 0; j < 32; j += W) c[j / W] = fround(fmul(floadu(xb + j), fset(id)));
+      store_codes(q + m * K + b * 32, c);
 #if W == 16  // integer sums: any order is exact
-    const int32_t s0 = hsum(c[0]), s1 = hsum(c[1]);
+      const int32_t s0 = hsum(c[0]), s1 = hsum(c[1]);
 #else
-    const int32_t s0 = hsum(addi(c[0], c[1])), s1 = hsum(addi(c[2], c[3]));
+      const int32_t s0 = hsum(addi(c[0], c[1])), s1 = hsum(addi(c[2], c[3]));
 #endif
-    d[m * (K / 32) + b] = db;
-    ds[m * (K / 32) + b] = db * (float)(s0 + s1);
-    for (int i = 0; i < OFF_PLANES; i++) noff[(i * M + m) * (K / 32) + b] = -OFFSETS[i] * (s0 + s1);
-    noff16[m * (K / 16) + 2 * b] = -OFF16 * s0;
-    noff16[m * (K / 16) + 2 * b + 1] = -OFF16 * s1;
+      d[m * (K / 32) + b] = db;
+      ds[m * (K / 32) + b] = ACT_BLOCKS == 1 ? db * (float)(s0 + s1) : (float)(s0 + s1);
+      for (int i = 0; i < OFF_PLANES; i++) noff[(i * M + m) * (K / 32) + b] = -OFFSETS[i] * (s0 + s1);
+      noff16[m * (K / 16) + 2 * b] = -OFF16 * s0;
+      noff16[m * (K / 16) + 2 * b + 1] = -OFF16 * s1;
+    }
   }
 }
 
 // 32-blocks per item of the input's quantization: a one-row input (decoding) is split between the threads too
 // (quantized whole by one thread, the other waited 0.1-0.3 ms a Qwen2.5-0.5B forward at its barrier).
 #define QUANT_BLOCKS 8
+static_assert(QUANT_BLOCKS % ACT_BLOCKS == 0, "a work item holds whole activation groups");
 
 // ys[i] [M, N_i] = x [M, K] W_i^T (+ biases[i]) for nw weights of the same K: x is quantized once (scratch owned
 // here), then one parallel pass runs over the row tiles of all weights, so small projections (k/v) share a

@@ -16,6 +16,8 @@ struct QWDesc {  // one weight's planes, bound once from Python (kernels/qgemm.p
 
 #if defined(SD_AVX512)
 #define SD_QISA avx512
+#elif defined(SD_AVXVNNI)
+#define SD_QISA avxvnni
 #else
 #define SD_QISA avx2
 #endif

@@ -1,9 +1,9 @@
 // The machine's peak rate of the integer multiply-accumulate instruction the quantized product is built on, for
 // `doctor`'s roofline: how far a k-row forward is from what the instruction alone would allow.
 //
-// AVX-512 build: vpdpbusd zmm (64 u8 x s8 products summed into 16 int32 lanes). AVX2 build: vpmaddubsw ymm (32
-// u8 x s8 products summed in pairs to 16 int16 lanes; the kernel then adds those in int16 and widens once per
-// chunk, instructions that run beside it on other ports). CHAINS independent accumulators keep the unit busy
+// AVX-512 build: vpdpbusd zmm (64 u8 x s8 products summed into 16 int32 lanes); AVX-VNNI build: vpdpbusd ymm.
+// AVX2 build: vpmaddubsw ymm (32 u8 x s8 products summed in pairs to 16 int16 lanes; the kernel then adds those
+// in int16 and widens once per chunk, instructions that run beside it on other ports). CHAINS independent accumulators keep the unit busy
 // past the instruction's latency; each thread of the OpenMP team runs its own, so the result is the team's rate.
 #include <immintrin.h>
 #include <omp.h>
@@ -18,6 +18,17 @@ static inline vi splat(int v) { return _mm512_set1_epi32(v); }
 static inline vi step(vi acc, vi a, vi b) { return _mm512_dpbusd_epi32(acc, a, b); }
 static inline int64_t fold(vi v) { return _mm512_reduce_add_epi32(v); }
 #define SD_ISA avx512
+#elif defined(SD_AVXVNNI)  // vpdpbusd ymm (32 products into 8 int32 lanes), VEX-encoded (EVEX without -mavxvnni)
+#define MACS_PER_OP 32
+typedef __m256i vi;
+static inline vi splat(int v) { return _mm256_set1_epi32(v); }
+#if defined(__AVXVNNI__)
+static inline vi step(vi acc, vi a, vi b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+#else
+static inline vi step(vi acc, vi a, vi b) { return _mm256_dpbusd_epi32(acc, a, b); }
+#endif
+static inline int64_t fold(vi v) { return _mm256_extract_epi32(v, 0) + _mm256_extract_epi32(v, 7); }
+#define SD_ISA avxvnni
 #else
 #define MACS_PER_OP 32
 typedef __m256i vi;
