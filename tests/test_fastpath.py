@@ -380,7 +380,8 @@ def test_doctor_times_every_build_of_the_quantized_kernel(smollm):
     from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
 
     model, _ = smollm
-    args = argparse.Namespace(model="smollm2-135m", cache_dir=None, context=8, repeats=1)
+    args = argparse.Namespace(model="smollm2-135m", cache_dir=None, weights="gguf", fast_path="auto", act_block=32)
+    args.context, args.repeats = 8, 1
     b = builds(args, model)
     runs = set()
     for isa in ISA_CPU_FLAGS:

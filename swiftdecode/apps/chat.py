@@ -22,14 +22,9 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens = WHOLE_CONTEXT
     kwargs = sampling_kwargs(args)
     import swiftdecode
+    from swiftdecode.apps.pull_cli import load_model
 
-    model, tokenizer = swiftdecode.load(
-        args.model,
-        cache_dir=args.cache_dir,
-        fast_path=args.fast_path,
-        weights=args.weights,
-        act_block=args.act_block,
-    )
+    model, tokenizer = load_model(args)
     gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=PREFIX_CACHE_GB)  # earlier turns
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("swiftdecode chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)

@@ -208,7 +208,7 @@ def builds(args: argparse.Namespace, model) -> dict:
     """`--builds`: {"forward_ms": {path: {k: ms}}, "unavailable": {build: why}} for every build of the quantized
     kernel (one load of the model each, on the model's activation quantization; `model` itself where it runs
     that build), k-row forwards interleaved; {} on float weights."""
-    import swiftdecode
+    from swiftdecode.apps.pull_cli import load_model
     from swiftdecode.kernels.build import KernelUnavailable
     from swiftdecode.kernels.modules import QuantLinear
     from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, load_qkernel
@@ -224,12 +224,7 @@ def builds(args: argparse.Namespace, model) -> dict:
             unavailable[isa] = str(e)
             continue
         other = model if isa == kernel.isa else None  # another build: the layout file's pages are shared
-        other = (
-            other
-            or swiftdecode.load(
-                args.model, cache_dir=args.cache_dir, fast_path=f"skinny-{isa}", act_block=kernel.act, progress=False
-            )[0]
-        )
+        other = other or load_model(args, fast_path=f"skinny-{isa}", act_block=kernel.act, progress=False)[0]
         runs.append((other, f"skinny-{isa}"))
     ms = time_forwards(runs, args.context, args.repeats, BUILD_KS)
     return {"forward_ms": {p: t["wall"] for p, t in ms.items()}, "unavailable": unavailable}
@@ -357,8 +352,8 @@ def format_report(d: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import swiftdecode
     from swiftdecode.apps.bench import llama_bench
+    from swiftdecode.apps.pull_cli import load_model
 
     if args.threads is not None:
         if args.threads < 1:
@@ -367,14 +362,7 @@ def run(args: argparse.Namespace) -> int:
     gguf = llama_bench.gguf_of(args) if args.llama_bench else None
     # a named ISA picks the quantized kernel's build too (that is chosen when the model loads)
     load_path = args.fast_path if isa_of(args.fast_path) else "torch"
-    model, _ = swiftdecode.load(
-        args.model,
-        cache_dir=args.cache_dir,
-        fast_path=load_path,
-        weights=args.weights,
-        act_block=args.act_block,
-        progress=not args.json,
-    )
+    model, _ = load_model(args, fast_path=load_path, progress=not args.json)
     d = diagnose(model, args.fast_path, args.context, args.repeats)
     if args.builds:
         d["builds"] = builds(args, model)

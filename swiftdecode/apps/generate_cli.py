@@ -143,14 +143,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("prompt is empty")
 
     import swiftdecode
+    from swiftdecode.apps.pull_cli import load_model
 
-    model, tokenizer = swiftdecode.load(
-        args.model,
-        cache_dir=args.cache_dir,
-        fast_path=args.fast_path,
-        weights=args.weights,
-        act_block=args.act_block,
-    )
+    model, tokenizer = load_model(args)
     shared = PREFIX_CACHE_GB if len(prompts) > 1 else 0.0  # later prompts may begin as earlier ones (chat template)
     gen = swiftdecode.Generator(model, tokenizer, method=args.method, prefix_cache_gb=shared)
     for prompt in prompts:

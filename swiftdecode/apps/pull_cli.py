@@ -1,5 +1,5 @@
-"""`swiftdecode pull NAME`, and the `--model`, `--weights` and `--cache-dir` options of every command that loads a
-model."""
+"""`swiftdecode pull NAME`, and the `--model`, `--weights`, `--act-block` and `--cache-dir` options of every command
+that loads a model (and the load they ask for)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     _add_weights(parser)
     parser.add_argument("--act-block", type=int, choices=ACT_BLOCKS, default=ACT_DEFAULT, help=ACT_HELP)
     _add_cache_dir(parser)
+
+
+def load_model(args: argparse.Namespace, **options):
+    """(model, tokenizer) of `args.model` as a command's options ask (`--cache-dir`, `--fast-path`, `--weights`,
+    `--act-block`); `options` override them or add swiftdecode.load's others."""
+    import swiftdecode
+
+    chosen = {"cache_dir": args.cache_dir, "fast_path": args.fast_path, "weights": args.weights}
+    return swiftdecode.load(args.model, **(chosen | {"act_block": args.act_block} | options))
 
 
 def _add_weights(parser: argparse.ArgumentParser) -> None:

@@ -25,15 +25,9 @@ from swiftdecode.base.text import eos_ids
 
 def load_target(args: argparse.Namespace):
     """(model, tokenizer, fast-path info as a dict) of the benchmarked model, on the fast path."""
-    import swiftdecode
+    from swiftdecode.apps.pull_cli import load_model
 
-    model, tok = swiftdecode.load(
-        args.model,
-        cache_dir=args.cache_dir,
-        fast_path=args.fast_path,
-        weights=args.weights,
-        act_block=args.act_block,
-    )
+    model, tok = load_model(args)
     return model, tok, {"path": model.fast_path.path, "reason": model.fast_path.reason}
 
 

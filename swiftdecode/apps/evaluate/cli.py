@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import swiftdecode
     from swiftdecode.apps.evaluate.corpus import corpus_text, windows
     from swiftdecode.apps.evaluate.fidelity import ReferenceStore, evaluate, fill
+    from swiftdecode.apps.pull_cli import load_model
     from swiftdecode.hub.entries import resolve_cache_dir
     from swiftdecode.runtime.model import SwiftModel
 
@@ -53,10 +54,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(HOW_TO)
     text = corpus_text(args.corpus, args.data)
     progress = not args.json
-    load = {"cache_dir": args.cache_dir, "progress": progress}
-    model, tok = swiftdecode.load(
-        args.model, fast_path=args.fast_path, weights=args.weights, act_block=args.act_block, **load
-    )
+    model, tok = load_model(args, progress=progress)
     ids = tok.encode(text)
     bos = ids[0] if tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id] else None
     wins = windows(ids, args.ctx, args.windows, bos)
@@ -65,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if args.reference == "fp32":
         store = ReferenceStore(cache, f"{args.model}-fp32-torch-{torch.__version__}", wins)  # torch's numerics
         if store.missing(len(wins)):
-            ref, _ = swiftdecode.load(args.model, fast_path="torch", weights="fp32", **load)
+            ref, _ = swiftdecode.load(
+                args.model, cache_dir=args.cache_dir, fast_path="torch", weights="fp32", progress=progress
+            )
             fill(SwiftModel(ref), wins, store, progress)
             del ref
             gc.collect()

@@ -40,18 +40,13 @@ def listen(host: str, port: int) -> socket.socket:
 def engine(args: argparse.Namespace):
     """The Generator `serve` runs: the model loaded on the fast path, the method's preset with the copy pool."""
     import swiftdecode
+    from swiftdecode.apps.pull_cli import load_model
 
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = swiftdecode.load(
-        args.model,
-        cache_dir=args.cache_dir,
-        fast_path=args.fast_path,
-        weights=args.weights,
-        act_block=args.act_block,
-    )
+    model, tokenizer = load_model(args)
     config = replace(preset(args.method), copy_pool=args.copy_pool) if args.method != "ar" else None
     gen = swiftdecode.Generator(model, tokenizer, args.method, config, prefix_cache_gb=args.prefix_cache_gb)
     if args.prefix_cache_gb > 0 and not gen.memory()["prefix_budget"]:
