@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT, METHODS, isa_of
+from swiftdecode.base.config import ACT_DEFAULT, METHODS, check_act_block, isa_of
 from swiftdecode.base.errors import UserError
 
 __version__ = "0.1.0"
@@ -32,16 +32,15 @@ def load(
 
     weights="gguf" (default): a model that comes as a GGUF computes from its own quantized blocks (the
     qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32.
-    fast_path "skinny-avx2" / "skinny-avx512" picks that ISA's build of every kernel, the quantized ones
-    included (their results are the same bits on both: only the speed differs). act_block: values per int8
+    fast_path "skinny-avx512" / "skinny-avxvnni" / "skinny-avx2" picks that ISA's build of every kernel, the
+    quantized ones included (their results are the same bits on all: only the speed differs). act_block: values per int8
     activation scale of the quantized products (32 or 256, base.config.ACT_BLOCKS)."""
     from swiftdecode.hub import WEIGHTS, load_model, locate_gguf
     from swiftdecode.runtime.fastpath import accelerate
 
     if weights not in WEIGHTS:
         raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
-    if act_block not in ACT_BLOCKS:
-        raise UserError(f"activations are quantized per {' or '.join(map(str, ACT_BLOCKS))} values, not {act_block}")
+    check_act_block(act_block)
     files = locate_gguf(name_or_path, cache_dir=cache_dir, progress=progress) if weights == "gguf" else None
     if files is None:
         model, tokenizer = load_model(name_or_path, cache_dir=cache_dir, progress=progress)

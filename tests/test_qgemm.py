@@ -204,3 +204,13 @@ def test_quant_linear_uses_a_bias_set_after_construction():
     assert torch.equal(layer(x), kern.linear(x, w))
     layer.bias = nn.Parameter(torch.randn(n), requires_grad=False)
     assert torch.equal(layer(x), kern.linear(x, w, layer.bias))
+
+
+def test_an_unknown_activation_block_is_a_clear_error():
+    import swiftdecode
+    from swiftdecode.base.errors import UserError
+
+    with pytest.raises(UserError, match="per 32 or 256 values, not 64"):
+        swiftdecode.load("smollm2-135m", act_block=64, progress=False)
+    with pytest.raises(UserError, match="not 64"):
+        load_qkernel(None, 64)

@@ -110,11 +110,8 @@ def weight_format(model) -> str:
     return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
-INSTRUCTION = {
-    "avx512": "vpdpbusd zmm",
-    "avxvnni": "vpdpbusd ymm",
-    "avx2": "vpmaddubsw ymm",
-}  # what csrc/roofline.cpp times per build
+# what csrc/roofline.cpp times per build
+INSTRUCTION = {"avx512": "vpdpbusd zmm", "avxvnni": "vpdpbusd ymm", "avx2": "vpmaddubsw ymm"}
 
 
 def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
@@ -223,9 +220,11 @@ def builds(args: argparse.Namespace, model) -> dict:
         except KernelUnavailable as e:
             unavailable[isa] = str(e)
             continue
-        other = model if isa == kernel.isa else None  # another build: the layout file's pages are shared
-        other = other or load_model(args, fast_path=f"skinny-{isa}", act_block=kernel.act, progress=False)[0]
-        runs.append((other, f"skinny-{isa}"))
+        if isa == kernel.isa:
+            runs.append((model, f"skinny-{isa}"))
+        else:  # another load: its weights are the same layout file's pages (shared), its kernels that build's
+            other, _ = load_model(args, fast_path=f"skinny-{isa}", act_block=kernel.act, progress=False)
+            runs.append((other, f"skinny-{isa}"))
     ms = time_forwards(runs, args.context, args.repeats, BUILD_KS)
     return {"forward_ms": {p: t["wall"] for p, t in ms.items()}, "unavailable": unavailable}
 
@@ -331,7 +330,9 @@ def format_report(d: dict) -> str:
             + "".join(f"{r['step_ms'][k]:8.1f}ms{'':6}" for k in KS)
             + f"   (the products' inner step alone: {r['step_gmacs']:.0f} GMAC/s)",
         ]
-    if b := d.get("builds"):
+    if (b := d.get("builds")) == {}:
+        lines += ["", "builds:     none to compare: the model's weights are not quantized"]
+    elif b:
         lines += ["", "the quantized kernel's builds, whole forwards (k rows, and over one row):"]
         lines.append(f"{'build':<16}" + "".join(f"{f'k={k}':>16}" for k in BUILD_KS))
         for name, f in b["forward_ms"].items():

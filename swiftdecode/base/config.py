@@ -26,6 +26,12 @@ ACT_HELP = (
 )
 
 
+def check_act_block(act_block: int) -> None:
+    """UserError unless `act_block` is one of ACT_BLOCKS."""
+    if act_block not in ACT_BLOCKS:
+        raise UserError(f"activations are quantized per {' or '.join(map(str, ACT_BLOCKS))} values, not {act_block}")
+
+
 def isa_of(fast_path: str) -> str | None:
     """The kernel ISA a fast path names ("skinny-avx2" -> "avx2"), or None (the best this CPU runs)."""
     return fast_path.removeprefix("skinny-") if fast_path.startswith("skinny-") else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT
+from swiftdecode.base.config import ACT_DEFAULT, check_act_block
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
@@ -143,8 +143,7 @@ def load_qkernel(isa: str | None = None, act: int = ACT_DEFAULT) -> QKernel:
     """Build (once, cached on disk) and load the qgemm library for `isa` (default: the best this CPU runs) whose
     input rows are quantized per `act` values (base.config.ACT_BLOCKS; one library per choice)."""
     isa = pick_isa(ISA_CPU_FLAGS, isa)
-    if act not in ACT_BLOCKS:
-        raise ValueError(f"activations are quantized per {' or '.join(map(str, ACT_BLOCKS))} values, not {act}")
+    check_act_block(act)
     if (isa, act) not in _KERNELS:
         flags = [*ISA_FLAGS[isa], f"-DSD_ACT_BLOCKS={act // 32}"]
         try:
