@@ -56,7 +56,7 @@ def read_meta(gguf: Path, progress: bool):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if config.model_type == "phi3":
-        _phi3_rope(config, gguf)
+        _phi3(config, gguf)
     if config.model_type == "gemma3_text":
         _gemma3(config, gguf)
     return tokenizer, config
@@ -93,10 +93,11 @@ def _llama_like_config(reader):
     return AutoConfig.for_model(arch, **fields)
 
 
-def _phi3_rope(config, gguf: Path) -> None:
+def _phi3(config, gguf: Path) -> None:
     """What transformers' GGUF reader leaves out of a Phi-3/Phi-4 config: the partial rotary (the rotated dims,
-    `phi3.rope.dimension_count`) and LongRoPE's per-frequency factors (`rope_factors_short`/`_long` tensors, with
-    the original context and the attention factor)."""
+    `phi3.rope.dimension_count`), LongRoPE's per-frequency factors (`rope_factors_short`/`_long` tensors, with
+    the original context and the attention factor) and the sliding window (Phi-3-mini-4k's 2047 tokens; one as
+    long as the context, Phi-4-mini's, hides nothing and is left out)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf)
@@ -113,6 +114,8 @@ def _phi3_rope(config, gguf: Path) -> None:
         original = value("rope.scaling.original_context_length") or config.max_position_embeddings
         config.original_max_position_embeddings = rope["original_max_position_embeddings"] = original
     config.rope_parameters = rope
+    if (window := value("attention.sliding_window")) and window < config.max_position_embeddings:
+        config.sliding_window = window
 
 
 def _gemma3(config, gguf: Path) -> None:

@@ -83,13 +83,13 @@ SHAPES = {
     # google/gemma-3-1b-it config.json
     "gemma-3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True, None, 512, 6),
     # Tiny test shapes: 6 layers (layer-skip drafts need some), widths multiples of 256 (every K-quant block fits),
-    # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied). tiny-qwen3 keeps
-    # head_dim 128 (as all dense Qwen3): transformers reads no head_dim from a qwen3 GGUF and assumes 128.
-    # tiny-gemma3's window is 16 tokens, so a test's 40-token context reaches past it.
+    # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied) with Phi-3-mini's sliding
+    # window on every layer. tiny-qwen3 keeps head_dim 128 (as all dense Qwen3): transformers reads no head_dim
+    # from a qwen3 GGUF and assumes 128. The windows are 16 tokens, so a test's 40-token context reaches past them.
     "tiny-qwen3": Shape("qwen3", 6, 256, 4, 2, 128, 512, None, 4096, 1e6, 1e-6, True),
     "tiny-llama3": Shape("llama", 6, 256, 4, 2, 64, 512, None, 4096, 5e5, 1e-5, True, L32),
     "tiny-qwen2": Shape("qwen2", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, False),
-    "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 0, 0, 48, 4096),
+    "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 16, 0, 48, 4096),
     "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
     "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6),
 }

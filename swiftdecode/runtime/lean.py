@@ -41,16 +41,11 @@ def why_not(model: torch.nn.Module) -> str | None:
     gemma = config.model_type == "gemma3_text"
     if (act := _activation(config)) != (GELU_TANH if gemma else "silu"):
         return f"activation {act!r} (lean: silu; Gemma 3: {GELU_TANH})"
-    if gemma:  # its sliding-window layers run here
+    if gemma:
         if getattr(config, "attn_logit_softcapping", None) is not None:
             return "attention logit soft-capping"
         return "bidirectional attention" if getattr(config, "use_bidirectional_attention", False) else None
-    window = getattr(config, "sliding_window", None)
-    if config.model_type in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
-        window = None  # these configs carry a window size that only applies when use_sliding_window is set
-    if window and window >= getattr(config, "max_position_embeddings", window + 1):
-        window = None  # a window as long as the context (Phi-4-mini's) never hides a key
-    return f"sliding-window attention ({window} tokens)" if window else None
+    return None  # sliding-window layers (_spec) run here
 
 
 @dataclass(frozen=True)
@@ -248,6 +243,7 @@ def _spec(layer, config, kinds: list[str | None], plus_one: bool) -> _Layer:
     """Layer `layer` as the loops run it; kinds: the rotary tables' layer types (None: one table for all)."""
     attn, types = layer.self_attn, getattr(config, "layer_types", None) or []
     kind = types[attn.layer_idx] if types else None
+    sliding = kind == SLIDING if types else _uniform_window(config) is not None
     rotary = kinds.index(kind if kind in kinds else None) if getattr(attn, "use_rope", True) else NO_ROTARY
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # norms around both sublayers; its MLP's input norm is this
     w = lambda name: _weight(getattr(layer, name), plus_one)
@@ -259,8 +255,15 @@ def _spec(layer, config, kinds: list[str | None], plus_one: bool) -> _Layer:
         rotary,
         w("post_attention_layernorm") if gemma else None,
         w("post_feedforward_layernorm") if gemma else None,
-        kind == SLIDING,
+        sliding,
     )
+
+
+def _uniform_window(config) -> int | None:
+    """The window every layer attends within, for a config without layer types (Mistral's, Phi-3-mini's), or
+    None: none, or one as long as the context (Phi-4-mini's), which never hides a key."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and window < getattr(config, "max_position_embeddings", window + 1) else None
 
 
 def rotary(
