@@ -280,6 +280,17 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
     }
 
 
+def builds_lines(b: dict) -> list[str]:
+    """`--builds`' table: each build's k-row forwards and their ratio to its one row; the builds that do not run."""
+    if not b:
+        return ["builds:     none to compare: the model's weights are not quantized"]
+    lines = ["the quantized kernel's builds, whole forwards (k rows, and over one row):"]
+    lines.append(f"{'build':<16}" + "".join(f"{f'k={k}':>16}" for k in BUILD_KS))
+    for name, f in b["forward_ms"].items():
+        lines.append(f"{name:<16}" + "".join(f"{f[k]:8.1f}ms {f[k] / f[1]:4.2f}x" for k in BUILD_KS))
+    return lines + [f"{f'skinny-{isa}':<16}not on this CPU: {why}" for isa, why in b["unavailable"].items()]
+
+
 LAYER_LOOPS = {
     "native": "native loop (every layer in one C call: kernels/csrc/decoder.cpp)",
     "python": "lean Python loop over the kernel library (some projections are not quantized)",
@@ -330,14 +341,8 @@ def format_report(d: dict) -> str:
             + "".join(f"{r['step_ms'][k]:8.1f}ms{'':6}" for k in KS)
             + f"   (the products' inner step alone: {r['step_gmacs']:.0f} GMAC/s)",
         ]
-    if (b := d.get("builds")) == {}:
-        lines += ["", "builds:     none to compare: the model's weights are not quantized"]
-    elif b:
-        lines += ["", "the quantized kernel's builds, whole forwards (k rows, and over one row):"]
-        lines.append(f"{'build':<16}" + "".join(f"{f'k={k}':>16}" for k in BUILD_KS))
-        for name, f in b["forward_ms"].items():
-            lines.append(f"{name:<16}" + "".join(f"{f[k]:8.1f}ms {f[k] / f[1]:4.2f}x" for k in BUILD_KS))
-        lines += [f"{f'skinny-{isa}':<16}not on this CPU: {why}" for isa, why in b["unavailable"].items()]
+    if "builds" in d:
+        lines += ["", *builds_lines(d["builds"])]
     if b := d.get("llama_bench"):
         from swiftdecode.apps.bench.llama_bench import report_lines
 
