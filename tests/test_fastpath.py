@@ -274,6 +274,25 @@ def test_builds_in_a_clean_directory(kernel, tmp_path):
     assert torch.equal(fresh.linear(x, w, None), kernel.linear(x, w, None))
 
 
+def test_soft_capped_attention_runs_the_models_own_eager_attention(kernel):
+    """Gemma 2's soft-capped scores, which neither our kernel nor torch's SDPA computes, run the model's own eager
+    attention on the fast path (under SDPA-style masks: boolean, or none for causal), giving transformers' logits
+    on full and sliding-window layers; the path's reason says they are not batch-invariant."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window = 2, 1, 32, 8
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 256, (1, 20))  # past the window
+    with torch.inference_mode():
+        want = model(ids).logits
+        info = accelerate(model)
+        got = model(ids).logits
+    assert "not batch-invariant" in info.reason
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_smollm2_verify_is_bit_identical_to_decoding(kernel, smollm):
     """With the fast path, a 6-token tree forward (two branches) gives exactly the logits of decoding each
     branch one token at a time: what makes speculative verification reproduce plain greedy decoding."""

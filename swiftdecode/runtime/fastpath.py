@@ -137,9 +137,7 @@ def sparse_capable(model: nn.Module) -> bool:
 
 def invariant_attention(kernel: Kernel, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention function ("swiftdecode-<isa>", `kernel` bound): the kernel's order-invariant attention for
-    fp32 queries of one sequence (query [1, H, M, D], key/value [1, Hkv, T, D]); torch's SDPA for the rest."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    fp32 queries of one sequence (query [1, H, M, D], key/value [1, Hkv, T, D]); `_elsewhere` for the rest."""
     b, _, m, d = query.shape
     mask = attention_mask
     if (
@@ -154,12 +152,33 @@ def invariant_attention(kernel: Kernel, module, query, key, value, attention_mas
         or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1))
         or any(t.stride(-1) != 1 for t in (query, key, value))
     ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _elsewhere(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if mask is not None:
         mask = mask[0, 0, :, : key.shape[2]]
         mask = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.float().contiguous()
     scale = scaling if scaling is not None else d**-0.5
     return kernel.attention(query[0], key[0], value[0], mask, scale)[None], None
+
+
+def _elsewhere(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """HF attention for what the kernel does not run: the model's own eager attention where torch's SDPA cannot
+    run it either (Gemma 2's soft-capped scores, attention sinks), else SDPA. The masks are made for SDPA: boolean,
+    or None for a causal one (rows at the end of the keys); eager attention adds its mask, so it gets them so."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None or (kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask is None:
+        m, t = query.shape[-2], key.shape[-2]
+        attention_mask = torch.ones(m, t, dtype=torch.bool).tril_(t - m)[None, None]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -248,6 +267,8 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
 
         use_attention(model, f"swiftdecode-{kernel.isa}", partial(invariant_attention, kernel), sdpa_mask)
         reason += " + order-invariant attention"
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            reason += " (soft-capped scores: the model's own eager attention, not batch-invariant)"
     return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity)
 
 
