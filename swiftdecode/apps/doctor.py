@@ -264,7 +264,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "blas": blas_info(),
         "path": info.path,
         "reason": info.reason,
-        "amx": amx_status(),
+        "amx": dict(zip(("usable", "why"), amx_status(), strict=True)),
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
         "layers": sm.layer_loop(),
@@ -309,7 +309,8 @@ def format_report(d: dict) -> str:
             else []
         ),
         f"layers:     {LAYER_LOOPS[d['layers']]}" + (f": {d['layers_why']}" if d.get("layers_why") else ""),
-        "AMX tiles:  " + ("usable here; not used: the kernels have vector builds only" if d["amx"][0] else d["amx"][1]),
+        "AMX tiles:  "
+        + ("usable here; not used: the kernels have vector builds only" if d["amx"]["usable"] else d["amx"]["why"]),
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)",
