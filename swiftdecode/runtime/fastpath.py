@@ -72,13 +72,15 @@ class Sparsity:
 @dataclass
 class FastPathInfo:
     """Which matmul path a model's linear layers use (`path`) and why (`reason`); on a kernel path, the fp32
-    kernel library (norms, rotary, attention and float products) and the model's sparsity switches."""
+    kernel library (norms, rotary, attention and float products), the model's sparsity switches, and what keeps
+    a k-row forward from returning k one-row forwards' bits (`not_invariant`, None where nothing does)."""
 
     path: str
     reason: str
     patched: int = 0
     kernel: Kernel | None = None
     sparsity: Sparsity = field(default_factory=Sparsity)
+    not_invariant: str | None = None
 
 
 def info_of(model: nn.Module) -> FastPathInfo:
@@ -267,9 +269,9 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
 
         use_attention(model, f"swiftdecode-{kernel.isa}", partial(invariant_attention, kernel), sdpa_mask)
         reason += " + order-invariant attention"
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            reason += " (soft-capped scores: the model's own eager attention, not batch-invariant)"
-    return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity)
+    softcap = getattr(config, "attn_logit_softcapping", None) is not None
+    not_invariant = "soft-capped attention scores run the model's own eager attention" if softcap else None
+    return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity, not_invariant)
 
 
 def _unavailable(mode: str, reason: str) -> FastPathInfo:
