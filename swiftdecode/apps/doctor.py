@@ -264,7 +264,6 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "blas": blas_info(),
         "path": info.path,
         "reason": info.reason,
-        "not_invariant": "verification on torch" if info.path == "torch" else info.not_invariant,
         "amx": dict(zip(("usable", "why"), amx_status(), strict=True)),
         "weight_mb": nbytes / 1e6,
         "weight_format": weight_format(model),
@@ -305,8 +304,8 @@ def format_report(d: dict) -> str:
         f"torch:      {d['torch']}   {d['blas']}",
         f"matmul:     {d['path']} — {d['reason']}",
         *(
-            [f"lossless:   {d['not_invariant']}: not batch-invariant (near-ties may flip a token vs ar)"]
-            if d["not_invariant"]
+            ["lossless:   verification on torch is not batch-invariant here (near-ties may flip a token vs ar)"]
+            if d["path"] == "torch"
             else []
         ),
         f"layers:     {LAYER_LOOPS[d['layers']]}" + (f": {d['layers_why']}" if d.get("layers_why") else ""),

@@ -37,7 +37,7 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "linear": [P] * 4 + [I64] * 3 + [I32],
     "linear_t": [P] * 4 + [I64] * 3 + [F32] + [P] * 2 + [I32],
-    "attention": [P, I64, I64] * 3 + [P, I64, P, *[I64] * 5, F32, P, I32],
+    "attention": [P, I64, I64] * 3 + [P, I64, P, *[I64] * 5, F32, P, I32, F32],
     "attention_many": [P] * 6 + [I64] * 4 + [F32, P, I64, I32, I32],
     "rmsnorm": [P] * 3 + [I64] * 2 + [F32, I32],
     "rope": [P] * 3 + [I64] * 3,
@@ -106,36 +106,25 @@ class Kernel:
         return y
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q [H, M, D], k/v [Hkv, T, D] (last dim contiguous), mask [M, T] additive or None (causal, keys
-        aligned at the end) -> [M, H, D]. Every sum runs over the visible keys in key order (see csrc)."""
+        """q [H, M, D], k/v [Hkv, T, D] (last dim contiguous), mask [M, T] additive (0 where visible) or None
+        (causal, keys aligned at the end) -> [M, H, D]; softcap: scores become softcap * tanh(score / softcap)
+        (Gemma 2). Every sum runs over the visible keys in key order (see csrc)."""
         (h, m, d), (hkv, t, _) = q.shape, k.shape
         out = torch.empty((m, h, d), dtype=torch.float32)
         threads = torch.get_num_threads()
         scratch = self.attention_scratch(t)
         mask_args = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
-        self._attn(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k.data_ptr(),
-            k.stride(0),
-            k.stride(1),
-            v.data_ptr(),
-            v.stride(0),
-            v.stride(1),
-            *mask_args,
-            out.data_ptr(),
-            h,
-            hkv,
-            m,
-            t,
-            d,
-            scale,
-            scratch.data_ptr(),
-            threads,
-        )
+        args = (q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1))
+        args += (v.data_ptr(), v.stride(0), v.stride(1), *mask_args, out.data_ptr(), h, hkv, m, t, d, scale)
+        self._attn(*args, scratch.data_ptr(), threads, softcap or 0.0)
         return out
 
     def attention_many(

@@ -72,15 +72,13 @@ class Sparsity:
 @dataclass
 class FastPathInfo:
     """Which matmul path a model's linear layers use (`path`) and why (`reason`); on a kernel path, the fp32
-    kernel library (norms, rotary, attention and float products), the model's sparsity switches, and what keeps
-    a k-row forward from returning k one-row forwards' bits (`not_invariant`, None where nothing does)."""
+    kernel library (norms, rotary, attention and float products) and the model's sparsity switches."""
 
     path: str
     reason: str
     patched: int = 0
     kernel: Kernel | None = None
     sparsity: Sparsity = field(default_factory=Sparsity)
-    not_invariant: str | None = None
 
 
 def info_of(model: nn.Module) -> FastPathInfo:
@@ -148,7 +146,6 @@ def invariant_attention(kernel: Kernel, module, query, key, value, attention_mas
         or query.dtype != torch.float32
         or query.device.type != "cpu"
         or (dropout and module.training)
-        or kwargs.get("softcap") is not None
         or kwargs.get("s_aux") is not None
         or (mask is None and not (kwargs.get("is_causal") or getattr(module, "is_causal", True)))
         or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1))
@@ -159,12 +156,12 @@ def invariant_attention(kernel: Kernel, module, query, key, value, attention_mas
         mask = mask[0, 0, :, : key.shape[2]]
         mask = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.float().contiguous()
     scale = scaling if scaling is not None else d**-0.5
-    return kernel.attention(query[0], key[0], value[0], mask, scale)[None], None
+    return kernel.attention(query[0], key[0], value[0], mask, scale, kwargs.get("softcap"))[None], None
 
 
 def _elsewhere(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """HF attention for what the kernel does not run: the model's own eager attention where torch's SDPA cannot
-    run it either (Gemma 2's soft-capped scores, attention sinks), else SDPA. The masks are made for SDPA: boolean,
+    run it either (attention sinks, or soft-capped scores in batches), else SDPA. The masks are made for SDPA: boolean,
     or None for a causal one (rows at the end of the keys); eager attention adds its mask, so it gets them so."""
     import sys
 
@@ -269,9 +266,7 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
 
         use_attention(model, f"swiftdecode-{kernel.isa}", partial(invariant_attention, kernel), sdpa_mask)
         reason += " + order-invariant attention"
-    softcap = getattr(config, "attn_logit_softcapping", None) is not None
-    not_invariant = "soft-capped attention scores run the model's own eager attention" if softcap else None
-    return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity, not_invariant)
+    return FastPathInfo(f"skinny-{isa}", reason, n + quant, kernel, sparsity)
 
 
 def _unavailable(mode: str, reason: str) -> FastPathInfo:

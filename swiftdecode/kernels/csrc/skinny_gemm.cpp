@@ -423,6 +423,19 @@ static inline vf vexp(vf x) {
   return vpow2_mul(y, n);
 }
 
+// sigmoid(z) lane by lane: with e = exp(-|z|) (vexp), 1 / (1 + e) for z >= 0 and e / (1 + e) below, so exp never
+// overflows. Both ISA builds run the same float operations per lane.
+static inline vf vsigmoid(vf z) {
+  const vf one = vset1(1.0f), e = vexp(vmul(vabs(z), vset1(-1.0f)));
+  return vdiv(vsel_ge0(z, one, e), vadd(one, e));
+}
+
+// cap * tanh(s / cap) lane by lane (Gemma 2's soft-capped attention scores), tanh(y) = 2 sigmoid(2y) - 1.
+static inline vf vsoftcap(vf s, float cap) {
+  const vf y2 = vmul(s, vset1(2.0f / cap));
+  return vmul(vfma(vset1(2.0f), vsigmoid(y2), vset1(-1.0f)), vset1(cap));
+}
+
 // Keys ahead that a decoding row's attention prefetches its keys and values: a cache is read once per token from
 // memory (the weights streamed since evicted it), and the hardware prefetcher alone kept too few bytes in flight.
 // Greedy decoding after 500-2000-token prompts, alternated in one process: SmolLM2 1.18x (AVX2 build 1.09x),
@@ -474,7 +487,7 @@ static inline vf chunk(const uint16_t* p, int64_t c, int64_t D) {
 template <int HN, int CH, typename KV>
 static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const KV* vh, int64_t v_st,
                        const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D, float scale, float* s,
-                       float* const* orow, int pf) {  // pf: keys ahead to prefetch (0: none)
+                       float* const* orow, int pf, float cap) {  // pf: keys ahead to prefetch (0: none)
   const int64_t chunks = CH > 0 ? CH : (D + VW - 1) / VW;
   static_assert(CH % SPLIT == 0, "whole head-dim chunks fill whole 16-lane score accumulators");
   const int64_t dot_chunks = CH > 0 ? CH : (D + SCORE_LANES - 1) / SCORE_LANES * SPLIT;  // past D: zero lanes
@@ -525,6 +538,19 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
       mx[h] = sc > mx[h] ? sc : mx[h];
     }
   }
+  if (cap > 0.0f)  // soft-capped scores (visible keys' masks are 0): capped in place, lane-wise, then their max
+    for (int h = 0; h < HN; ++h) {
+      float* sh = s + h * T;
+      int64_t i = 0;
+      for (; i + VW <= nv; i += VW) vstore(sh + i, vsoftcap(vload(sh + i), cap));
+      if (i < nv) {
+        float tmp[VW];
+        vstore(tmp, vsoftcap(vload_tail(sh + i, (int)(nv - i)), cap));
+        for (int64_t j = i; j < nv; ++j) sh[j] = tmp[j - i];
+      }
+      mx[h] = -INFINITY;
+      for (int64_t j = 0; j < nv; ++j) mx[h] = sh[j] > mx[h] ? sh[j] : mx[h];
+    }
   for (int h = 0; h < HN; ++h) {  // p = exp(s - max) in place, VW keys at a time (lane-wise: no cross-key effect)
     float* sh = s + h * T;
     int64_t i = 0;
@@ -571,12 +597,12 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
 template <int CH, typename KV>
 static inline void attend_heads(int64_t hn, const float* const* qr, const KV* kh, int64_t k_st, const KV* vh,
                                 int64_t v_st, const float* mr, const int32_t* vis, int64_t nv, int64_t T, int64_t D,
-                                float scale, float* s, float* const* orow, int pf) {
+                                float scale, float* s, float* const* orow, int pf, float cap) {
   switch (hn) {
-    case 4: attend_row<4, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf); break;
-    case 3: attend_row<3, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf); break;
-    case 2: attend_row<2, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf); break;
-    default: attend_row<1, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf); break;
+    case 4: attend_row<4, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap); break;
+    case 3: attend_row<3, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap); break;
+    case 2: attend_row<2, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap); break;
+    default: attend_row<1, CH, KV>(qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap); break;
   }
 }
 
@@ -602,7 +628,7 @@ template <typename KV>
 static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const KV* k, int64_t k_sh, int64_t k_st,
                                const KV* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm,
                                float* out, int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale,
-                               float* s, int64_t g, int64_t sb, int64_t m) {
+                               float* s, int64_t g, int64_t sb, int64_t m, float cap) {
   const int64_t group = H / Hkv;
   int32_t* vis = (int32_t*)(s + HB * T);
   const float* mr = mask ? mask + m * mask_sm : nullptr;
@@ -616,10 +642,10 @@ static inline void attend_item(const float* q, int64_t q_sh, int64_t q_sm, const
   }
   const KV *kh = k + g * k_sh, *vh = v + g * v_sh;
   const int pf = M <= ATTN_PREFETCH_ROWS && sb == 0 ? ATTN_PREFETCH_KEYS : 0;
-  if (D == 4 * VW) attend_heads<4>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf);
-  else if (D == 8 * VW) attend_heads<8>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf);
-  else if (D == 16 * VW) attend_heads<16>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf);
-  else attend_heads<0>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf);
+  if (D == 4 * VW) attend_heads<4>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap);
+  else if (D == 8 * VW) attend_heads<8>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap);
+  else if (D == 16 * VW) attend_heads<16>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap);
+  else attend_heads<0>(hn, qr, kh, k_st, vh, v_st, mr, vis, nv, T, D, scale, s, orow, pf, cap);
 }
 
 // The keys row m of M (keys aligned at the end of T) sees: those its mask row mr leaves visible, else causally.
@@ -649,11 +675,12 @@ static inline WorkSplit share(const std::vector<int64_t>& cost, int nt) {
 // masked keys in between (skipped). Heads sharing a key/value head are computed together.
 // q[h, m, :] at q + h*q_sh + m*q_sm; k/v[g, t, :] at k + g*k_sh + t*k_st (g = h / (H / Hkv));
 // mask[m, t] additive (<= -1e30: masked) at mask + m*mask_sm, or NULL for causal (row m sees t <= T - M + m);
-// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats.
+// out[m, h, :] contiguous [M, H, D]; scratch: nthreads * (HB + 1) * T floats. softcap > 0: each visible key's
+// score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2; visible keys' masks must be 0).
 extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float* k, int64_t k_sh, int64_t k_st,
                         const float* v, int64_t v_sh, int64_t v_st, const float* mask, int64_t mask_sm, float* out,
                         int64_t H, int64_t Hkv, int64_t M, int64_t T, int64_t D, float scale, float* scratch,
-                        int nthreads) {
+                        int nthreads, float softcap) {
   const int64_t subs = (H / Hkv + HB - 1) / HB, items = Hkv * subs * M;  // item (g, sb, m), m fastest
   std::vector<int64_t> keys(M), cost(items + 1, 0);
   for (int64_t m = 0; m < M; ++m) keys[m] = row_keys(mask ? mask + m * mask_sm : nullptr, T, M, m);
@@ -665,7 +692,7 @@ extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float*
     for (int64_t lo, hi; split.next(omp_get_thread_num(), &lo, &hi);)
       for (int64_t it = lo; it < hi; ++it)
         attend_item(q, q_sh, q_sm, k, k_sh, k_st, v, v_sh, v_st, mask, mask_sm, out, H, Hkv, M, T, D, scale, sc,
-                    it / (subs * M), (it / M) % subs, it % M);
+                    it / (subs * M), (it / M) % subs, it % M, softcap);
   }
 }
 
@@ -700,10 +727,10 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
         const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
         if (kv_half)
           attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2],
-                      D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+                      D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, 0.0f);
         else
           attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
-                      masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m);
+                      masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, 0.0f);
       }
   }
 }
@@ -740,12 +767,6 @@ extern "C" void SD_EXPORT(sd_rmsnorm, SD_ISA)(const float* x, const float* w, fl
   }
 }
 
-// sigmoid(z) lane by lane: with e = exp(-|z|) (vexp), 1 / (1 + e) for z >= 0 and e / (1 + e) below, so exp never
-// overflows. Both ISA builds run the same float operations per lane.
-static inline vf vsigmoid(vf z) {
-  const vf one = vset1(1.0f), e = vexp(vmul(vabs(z), vset1(-1.0f)));
-  return vdiv(vsel_ge0(z, one, e), vadd(one, e));
-}
 
 // g <- act(g) * u over n values, lane by lane (each value depends on its own inputs only): SiLU's g * sigmoid(g),
 // or GeLU's tanh approximation (Gemma's gelu_pytorch_tanh), 0.5 g (1 + tanh(y)) = g * sigmoid(2y) with
