@@ -290,7 +290,8 @@ def test_soft_capped_attention_matches_reference_on_every_build(fp32_builds):
 
 def test_gemma2_runs_order_invariant_on_the_fast_path(kernel):
     """Gemma 2 (soft-capped scores, sliding-window layers) on the fast path: transformers' logits, and a chain of 8
-    tokens gives the bits of 8 one-token forwards (its attention is the kernel's, soft-capped)."""
+    tokens gives the bits of 8 one-token forwards (its attention is the kernel's, soft-capped; a batch runs the
+    model's own eager attention)."""
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     from swiftdecode.runtime.cache import SwiftCache
@@ -300,12 +301,13 @@ def test_gemma2_runs_order_invariant_on_the_fast_path(kernel):
     config = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window = 2, 1, 32, 8
     model = AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(0, 256, (1, 20))  # past the window
+    ids = torch.randint(0, 256, (2, 20))  # past the window; a batch of two runs the model's eager attention
     with torch.inference_mode():
         want = model(ids).logits
         accelerate(model)
-        got = model(ids).logits
+        got, got_one = model(ids).logits, model(ids[:1]).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_one, want[:1], rtol=1e-4, atol=1e-4)
     sm = SwiftModel(model)
     with torch.inference_mode():
         cache = SwiftCache(sm.n_layers)
