@@ -168,3 +168,16 @@ def test_two_models_in_one_process_keep_their_own_paths(smollm, spec_bench):
     assert after == before
     flips, _ = compare(floats, Generator(floats, tok, method="swift"), prompts, 32)
     print(f"torch model beside a kernel model: {len(flips)} of {len(prompts)} outputs differ from its ar")
+
+
+def test_activations_per_256_are_lossless_on_a_real_model():
+    """`act_block=256` on SmolLM2-135M's own GGUF blocks: every method token-identical to `ar`, zero tolerance."""
+    import swiftdecode
+
+    model, tok = swiftdecode.load("smollm2-135m", act_block=256, progress=False)
+    prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):", "The capital of"]
+    for prompt in prompts:
+        want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=48).token_ids
+        for method in ("swift", "suffix", "skip-only"):
+            got = Generator(model, tok, method=method).generate(prompt, max_new_tokens=48).token_ids
+            assert got == want, (method, prompt)

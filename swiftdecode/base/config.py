@@ -17,7 +17,7 @@ FAST_PATH_HELP = (
 # Values per int8 scale of the activations the quantized products read (kernels/csrc/qgemm.cpp): 32, like
 # llama.cpp's Q8_0, or 256, like its Q8_K (one multiply per row and 32-block fewer). 32 is the default by
 # measurement: mean KL divergence from float32 4.0-4.9x lower (Qwen2.5-Coder-0.5B/1.5B, news and code; 256 is
-# at llama.cpp's on K-quant weights), for products at most 3% slower on AMD Zen 4 (docs/performance.md).
+# at llama.cpp's on K-quant weights), for products no measurably slower on AMD Zen 4 (docs/performance.md).
 ACT_BLOCKS = (32, 256)
 ACT_DEFAULT = 32
 ACT_HELP = (
