@@ -32,9 +32,9 @@ def load(
 
     weights="gguf" (default): a model that comes as a GGUF computes from its own quantized blocks (the
     qgemm kernel; HF folders and hub ids load their own weights); "fp32": dequantised once to float32.
-    fast_path "skinny-avx512" / "skinny-avxvnni" / "skinny-avx2" picks that ISA's build of every kernel, the
-    quantized ones included (their results are the same bits on all: only the speed differs). act_block: values per int8
-    activation scale of the quantized products (32 or 256, base.config.ACT_BLOCKS)."""
+    fast_path "skinny-avx512" / "skinny-amx" / "skinny-avxvnni" / "skinny-avx2" picks that ISA's build of every
+    kernel, the quantized ones included (their results are the same bits on all: only the speed differs).
+    act_block: values per int8 activation scale of the quantized products (32 or 256, base.config.ACT_BLOCKS)."""
     from swiftdecode.hub import WEIGHTS, load_model, locate_gguf
     from swiftdecode.runtime.fastpath import accelerate
 

@@ -79,13 +79,15 @@ def test_float_projections_keep_the_python_loop(smollm_fp32):
     assert sm.lean._native(kernel) is None
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "amx"])
 def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, isa):
-    """fast_path "skinny-avx2" (what an AVX2-only CPU runs) picks the quantized kernel's AVX2 build, and
-    "skinny-avxvnni" its AVX-VNNI build (float kernels: AVX2); a whole quantized model's logits are the same bits
-    as on the default path: outputs do not depend on the CPU."""
+    """fast_path "skinny-avx2" (what an AVX2-only CPU runs) picks the quantized kernel's AVX2 build,
+    "skinny-avxvnni" its AVX-VNNI build (float kernels: AVX2) and "skinny-amx" its AMX build (tiles from 5 rows;
+    float kernels: AVX-512); a whole quantized model's logits are the same bits as on the default path: outputs do
+    not depend on the CPU."""
     import swiftdecode
     from swiftdecode.kernels.build import KernelUnavailable
+    from swiftdecode.kernels.fp32 import FLOAT_BUILD_OF
     from swiftdecode.kernels.modules import QuantLinear
     from swiftdecode.kernels.qgemm import load_qkernel
 
@@ -95,7 +97,7 @@ def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, 
         pytest.skip(f"no {isa} build runs here: {e}")
     model, _ = swiftdecode.load("smollm2-135m", fast_path=f"skinny-{isa}", progress=False)
     assert {m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear)} == {isa}
-    assert model.fast_path.kernel.isa == "avx2" and model.fast_path.path == f"skinny-{isa}"
+    assert model.fast_path.kernel.isa == FLOAT_BUILD_OF.get(isa, isa) and model.fast_path.path == f"skinny-{isa}"
     outs = []
     for m in (smollm[0], model):
         sm = SwiftModel(m)

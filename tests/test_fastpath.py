@@ -442,7 +442,7 @@ def test_doctor_times_every_build_of_the_quantized_kernel(smollm):
     assert all(name in report for name in runs) and "k=32" in report
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512", "amx"])
 def test_peak_rate_scales_with_the_rounds(isa):
     """The instruction's measured peak is a rate: twice the rounds take about twice the time (a loop the compiler
     had folded away would not), so the rate holds."""
@@ -456,7 +456,7 @@ def test_peak_rate_scales_with_the_rounds(isa):
     assert 1e9 < a and 0.5 < a / b < 2.0
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512", "amx"])
 def test_inner_step_rate_is_a_rate_below_the_peak(isa):
     """The products' inner step (dot products and float scaling, codes unpacked) runs at a rate: twice the rounds
     take about twice the time, for every format, and it never beats the bare instruction it is built on."""

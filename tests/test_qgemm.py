@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT
 from swiftdecode.kernels.build import KernelUnavailable, build, cpu_flags
-from swiftdecode.kernels.qgemm import ISA_CPU_FLAGS, SOURCES, QKernel, load_qkernel
+from swiftdecode.kernels.qgemm import AMX_EMULATED_FLAGS, ISA_CPU_FLAGS, SOURCES, QKernel, load_qkernel
 from swiftdecode.kernels.qweight import FORMATS, QuantWeight
 
 FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a block
@@ -34,7 +34,8 @@ AVXVNNI_AS_EVEX_CPU = {"avx512f", "avx512vl", "avx512_vnni", "avx2", "fma", "f16
 
 def kernels(act: int = ACT_DEFAULT):
     """The qgemm builds this CPU runs, activations quantized per `act` values (the AVX-VNNI build as EVEX code
-    where the CPU lacks AVX-VNNI but has AVX-512 VL + VNNI)."""
+    where the CPU lacks AVX-VNNI but has AVX-512 VL + VNNI; the AMX build with emulated tiles where the CPU
+    lacks AMX but runs the AVX-512 build)."""
     out = []
     for isa in ISA_CPU_FLAGS:
         try:
@@ -43,6 +44,9 @@ def kernels(act: int = ACT_DEFAULT):
             if isa == "avxvnni" and AVXVNNI_AS_EVEX_CPU <= cpu_flags():
                 flags = [*AVXVNNI_AS_EVEX, f"-DSD_ACT_BLOCKS={act // 32}"]
                 out.append(QKernel("avxvnni", build(SOURCES, f"qgemm_avxvnni_evex_a{act}", flags), act))
+            if isa == "amx" and ISA_CPU_FLAGS["avx512"] <= cpu_flags():
+                flags = [*AMX_EMULATED_FLAGS, f"-DSD_ACT_BLOCKS={act // 32}"]
+                out.append(QKernel("amx", build(SOURCES, f"qgemm_amx_emulated_a{act}", flags), act))
     if not out:
         pytest.skip("no qgemm build runs on this CPU")
     return out
@@ -72,7 +76,8 @@ def test_formats(kind, act):
     for kern in kernels(act):
         assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
         one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
-        for rows in (3, 6, 8, 11, 16, 70):  # unrolled for exact counts (<= 4 AVX-512, <= 8 AVX2), rolled passes
+        for rows in (3, 6, 8, 11, 16, 17, 33, 70):  # unrolled (<= 4 AVX-512, <= 8 AVX2), rolled passes; tiles
+            # from 5 rows in chunks of <= 16 (17: two of 9, the last padded; 33: three of 11; 70: five of 14)
             y = kern.linear(x[:rows], w, bias)
             assert torch.equal(y, one[:rows]), f"{kern.isa}: a {rows}-row product differs from one-row products"
         want = x @ ref.T + bias
@@ -214,3 +219,40 @@ def test_an_unknown_activation_block_is_a_clear_error():
         swiftdecode.load("smollm2-135m", act_block=64, progress=False)
     with pytest.raises(UserError, match="not 64"):
         load_qkernel(None, 64)
+
+
+def test_the_amx_build_gives_a_whole_model_the_same_bits(smollm):
+    """The AMX build (tiles where the CPU has them, emulated elsewhere) runs a whole quantized model through the
+    native layer loop to the default build's logits, bit for bit: a 40-token prompt (tile chunks of 14 and 13
+    rows), then an 8-token chain on its cache."""
+    from swiftdecode.hub.load import locate_gguf
+    from swiftdecode.runtime.cache import SwiftCache
+    from swiftdecode.runtime.fastpath import accelerate
+    from swiftdecode.runtime.model import SwiftModel
+    from swiftdecode.runtime.quantized import build as build_model
+
+    amx = next((k for k in kernels() if k.isa == "amx"), None)
+    if amx is None:
+        pytest.skip("no AMX build, real or emulated, runs on this CPU")
+    model = build_model(*locate_gguf("smollm2-135m", progress=False), amx, False)
+    assert accelerate(model, "skinny-avx512").path == "skinny-amx"
+    outs = []
+    for m in (smollm[0], model):
+        sm = SwiftModel(m)
+        cache = SwiftCache(sm.n_layers)
+        outs.append((sm.logits(sm.prefill(list(range(300, 340)), cache)), sm.logits(sm.prefill(list(range(8)), cache))))
+    assert sm.layer_loop() == "native"
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_the_amx_builds_timing_loops_run_on_tiles():
+    """`doctor`'s loops on the AMX build (tdpbsud on full tiles; the tile pass's inner step for every format) load
+    valid tile configurations in their threads and return rates (emulated tiles where the CPU lacks AMX: the
+    emulator's rates, which say nothing of the hardware's)."""
+    from swiftdecode.kernels.qweight import FORMATS
+
+    amx = next((k for k in kernels() if k.isa == "amx"), None)
+    if amx is None:
+        pytest.skip("no AMX build, real or emulated, runs on this CPU")
+    assert amx.peak_macs(2, reps=16, tries=1) > 0
+    assert all(amx.loop_macs(fmt, 2, reps=4, tries=1) > 0 for fmt, _, _ in FORMATS.values())

@@ -110,8 +110,9 @@ def weight_format(model) -> str:
     return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
+AMX_USABLE = "usable here: --fast-path skinny-amx runs products of 5+ rows on tiles (not yet the default)"
 # what csrc/roofline.cpp times per build
-INSTRUCTION = {"avx512": "vpdpbusd zmm", "avxvnni": "vpdpbusd ymm", "avx2": "vpmaddubsw ymm"}
+INSTRUCTION = {"avx512": "vpdpbusd zmm", "amx": "tdpbsud tiles", "avxvnni": "vpdpbusd ymm", "avx2": "vpmaddubsw ymm"}
 
 
 def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
@@ -128,6 +129,8 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
         return None
     kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
     peak = kernel.peak_macs(threads)
+    if not peak:  # the instruction did not run (a thread's tiles refused their configuration)
+        return None
     by_fmt = Counter()  # weight format -> its products' MACs a row
     for m in lins.values():
         by_fmt[m.qweight.fmt] += m.qweight.n * m.qweight.k
@@ -310,7 +313,7 @@ def format_report(d: dict) -> str:
         ),
         f"layers:     {LAYER_LOOPS[d['layers']]}" + (f": {d['layers_why']}" if d.get("layers_why") else ""),
         "AMX tiles:  "
-        + ("usable here; not used: the kernels have vector builds only" if d["amx"]["usable"] else d["amx"]["why"]),
+        + (AMX_USABLE if d["amx"]["usable"] else f"{d['amx']['why']}; the AMX build (skinny-amx) does not run"),
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)",

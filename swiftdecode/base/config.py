@@ -10,9 +10,10 @@ from swiftdecode.base.errors import UserError
 
 # CPU paths of the fast kernels (fastpath.accelerate): "auto" picks the best this CPU runs (else torch), "skinny"
 # insists on a kernel, "skinny-<isa>" runs that ISA's build of every kernel, the quantized ones included.
-FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-avxvnni", "skinny-avx2")
+FAST_PATHS = ("auto", "torch", "skinny", "skinny-avx512", "skinny-amx", "skinny-avxvnni", "skinny-avx2")
 FAST_PATH_HELP = (
-    "CPU kernel path: auto (default), torch, skinny, skinny-avx512, skinny-avxvnni or skinny-avx2 (that ISA's build)"
+    "CPU kernel path: auto (default), torch, skinny, skinny-avx512, skinny-amx (AVX-512 with AMX tiles), "
+    "skinny-avxvnni or skinny-avx2 (that ISA's build)"
 )
 # Values per int8 scale of the activations the quantized products read (kernels/csrc/qgemm.cpp): 32, like
 # llama.cpp's Q8_0, or 256, like its Q8_K (one multiply per row and 32-block fewer). 32 is the default by

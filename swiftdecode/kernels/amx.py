@@ -1,8 +1,8 @@
 """Whether this process may run Intel AMX tile instructions (AMX-INT8), and if not why, checked once per process:
 the CPU's flags (CPUID, as Linux reports them), the tile state the OS enables (arch_prctl ARCH_GET_XCOMP_SUPP:
 the XCR0 components Linux supports) and this process's permission to use tile data (ARCH_REQ_XCOMP_PERM, which
-Linux requires before the first tile instruction: without it that instruction faults). `doctor` reports it; the
-kernels have vector builds only so far.
+Linux requires before the first tile instruction: without it that instruction faults). `doctor` reports it, and
+the quantized kernel's AMX build loads only where it holds.
 """
 
 from __future__ import annotations

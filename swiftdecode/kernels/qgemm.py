@@ -6,7 +6,9 @@ One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + 
 vpdpbusd on ymm, Intel client CPUs without AVX-512) or `avx2` (AVX2 + FMA + F16C), and per activation
 quantization (int8 scales per 32 or per 256 values). The ISA builds return bit-identical results (integer dot
 products, one fixed float sequence per output; see the source), so a model's numerics do not depend on the
-machine's SIMD width.
+machine's SIMD width. `amx` is the AVX-512 build whose products of several rows take their dot products on
+AMX-INT8 tiles (csrc/qgemm_tiles.h), the same bits again; it runs only where asked for (`--fast-path
+skinny-amx`) until its speed is measured on an AMX CPU.
 """
 
 from __future__ import annotations
@@ -17,17 +19,23 @@ from pathlib import Path
 import torch
 
 from swiftdecode.base.config import ACT_DEFAULT, check_act_block
+from swiftdecode.kernels.amx import AMX_FLAGS, amx_status
 from swiftdecode.kernels.build import KernelUnavailable, build, pick_isa
 from swiftdecode.kernels.qweight import QuantWeight
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "decoder.cpp", "roofline.cpp")]
+_AVX512 = ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": _AVX512,
+    "amx": ["-DSD_AMX", *_AVX512, "-mamx-tile", "-mamx-int8"],
     "avxvnni": ["-DSD_AVXVNNI", "-mavxvnni", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-ISA_CPU_FLAGS = {  # widest first: the first this CPU runs is the default
+# The AMX build emulated in scalar C (csrc/tiles.h), for testing its tile pass on CPUs without AMX.
+AMX_EMULATED_FLAGS = ["-DSD_AMX", "-DSD_AMX_EMULATE", *_AVX512]
+ISA_CPU_FLAGS = {  # widest first: the first this CPU runs is the default (never amx: every AMX CPU has avx512)
     "avx512": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"},
+    "amx": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c", *AMX_FLAGS},
     "avxvnni": {"avx_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
 }
@@ -115,7 +123,8 @@ class QKernel:
 
     def peak_macs(self, threads: int, reps: int = PEAK_REPS, tries: int = 5) -> float:
         """Multiply-accumulates per second that `threads` threads reach with the product's integer dot-product
-        instruction alone (vpdpbusd zmm on avx512, vpdpbusd ymm on avxvnni, vpmaddubsw ymm on avx2), best of `tries`."""
+        instruction alone (vpdpbusd zmm on avx512, vpdpbusd ymm on avxvnni, vpmaddubsw ymm on avx2, tdpbsud on amx),
+        best of `tries`; 0 where a thread's tiles could not be configured."""
         sink = _I(0)
         return self._peak(reps, threads, tries, ctypes.byref(sink))
 
@@ -144,6 +153,8 @@ def load_qkernel(isa: str | None = None, act: int = ACT_DEFAULT) -> QKernel:
     input rows are quantized per `act` values (base.config.ACT_BLOCKS; one library per choice)."""
     isa = pick_isa(ISA_CPU_FLAGS, isa)
     check_act_block(act)
+    if isa == "amx" and not (usable := amx_status())[0]:
+        raise KernelUnavailable(f"no AMX tiles: {usable[1]}")
     if (isa, act) not in _KERNELS:
         flags = [*ISA_FLAGS[isa], f"-DSD_ACT_BLOCKS={act // 32}"]
         try:

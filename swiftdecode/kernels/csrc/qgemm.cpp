@@ -163,7 +163,11 @@ static inline void store_codes(int8_t* q, const vi c[32 / W]) {
 // Rows unrolled with register accumulators; more run the rolled pass (accumulators in L1). The rolled pass was
 // faster from 5 rows on here (Qwen2.5-0.5B's products, Xeon: 8 rows 0.93x, 12 rows 0.88x), not on AVX2 (1.06x).
 #define UNROLLED_ROWS 4
+#if defined(SD_AMX)  // the AVX-512 build with AMX tiles for products of several rows (qgemm_tiles.h)
+#define SD_ISA amx
+#else
 #define SD_ISA avx512
+#endif
 #else
 #if defined(SD_AVXVNNI)
 // The AVX-VNNI build (Intel client CPUs since Alder Lake: VEX vpdpbusd on ymm, no AVX-512): the AVX2 build's
@@ -373,22 +377,28 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
 }
 #endif
 
-// acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales. With
-// per-32 activation scales the scale product a * dx is formed per row and block; with per-group scales
-// (ACT_BLOCKS > 1) acc is the group's sum in the units of its scale, which tile_rows applies once per group.
+// The offset terms that begin input row m's integer sums of 32-block `blk` (zero for formats without one).
 template <int F>
-__attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
-                                                           const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
+__attribute__((always_inline)) static inline void block_init(const QX& x, int64_t blk, int64_t m, vi init[2]) {
   const int64_t nb = x.K / 32;
-  vi s[2], init[2] = {izero(), izero()};
   constexpr int plane = off_plane<F>();
+  init[0] = init[1] = izero();
   if (Fmt<F>::sub16) {  // Q6_K: each 16 values' offset term begins their chain
     init[0] = seti(x.noff16[m * 2 * nb + 2 * blk]);
     init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1]);
   } else if (plane >= 0) {  // a whole-block offset term begins the block's chain
     init[0] = seti(x.noff[(plane * x.M + m) * nb + blk]);
   }
-  block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
+}
+
+// acc += input row m's float contribution of 32-block `blk`, from its exact integer sums s (begun from
+// block_init's terms) and the block's scales. With per-32 activation scales the scale product a * dx is formed
+// per row and block; with per-group scales (ACT_BLOCKS > 1) acc is the group's sum in the units of its scale,
+// which group_end applies once per group. The one float sequence of every build and pass.
+template <int F>
+__attribute__((always_inline)) static inline void scale_block(const QX& x, int64_t blk, int64_t m, const vi s[2],
+                                                             vf a0, vf a1, vf bm, vf& acc) {
+  const int64_t nb = x.K / 32;
   if (ACT_BLOCKS == 1) {
     const vf vdx = fset(x.d[m * nb + blk]);
     a0 = fmul(a0, vdx);
@@ -403,15 +413,23 @@ __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t
   }
 }
 
-// acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0), W lanes
-// of tile `t` from lane e.
-template <int F, int R>
-__attribute__((always_inline)) static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0,
-                                                            int rows, vf* acc) {
-  const int64_t nb = w.K / 32, tb = t * nb + blk;
-  vi u[8], uh[8];
-  unpack<F>(w.lo + tb * lo_bytes(Fmt<F>::hb), w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
-  vf a0, a1, bm;
+// acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales.
+template <int F>
+__attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
+                                                           const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
+  vi s[2], init[2];
+  block_init<F>(x, blk, m, init);
+  block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
+  scale_block<F>(x, blk, m, s, a0, a1, bm, acc);
+}
+
+// The scales of W lanes of tile `t` from lane e for 32-block `blk`: a0 (a1: Q6_K's second 16 values) multiply
+// the integer sums, bm the min term's sum.
+template <int F>
+__attribute__((always_inline)) static inline void block_scales(const QW& w, int64_t t, int64_t blk, int e, vf& a0,
+                                                              vf& a1, vf& bm) {
+  const int64_t tb = t * (w.K / 32) + blk;
+  a1 = bm = fzero();
   if (Fmt<F>::kq) {
     const int64_t ts = t * (w.K / 256) + blk / 8;
     vf d = h2f(w.d + ts * LANES + e);
@@ -427,6 +445,18 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
     a0 = h2f(w.d + tb * LANES + e);
     if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
   }
+}
+
+// acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0), W lanes
+// of tile `t` from lane e.
+template <int F, int R>
+__attribute__((always_inline)) static inline void tile_block(const QW& w, const QX& x, int64_t t, int64_t blk, int e, int64_t m0,
+                                                            int rows, vf* acc) {
+  const int64_t tb = t * (w.K / 32) + blk;
+  vi u[8], uh[8];
+  unpack<F>(w.lo + tb * lo_bytes(Fmt<F>::hb), w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
+  vf a0, a1, bm;
+  block_scales<F>(w, t, blk, e, a0, a1, bm);
   if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K (unrolled, it spills)
     for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
   } else {  // unrolled to R, the most rows: the accumulators stay in registers
@@ -436,46 +466,74 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
   }
 }
 
+// Prefetches the code planes of the 32-block PREFETCH_BLOCKS after block `blk` of tile `t` (planes are tile-major:
+// near a tile's end this runs on into tile t + 1).
+template <int F>
+__attribute__((always_inline)) static inline void prefetch_ahead(const QW& w, int64_t t, int64_t blk) {
+  const int pf_lo = lo_bytes(Fmt<F>::hb), pf_hi = hi_bytes(Fmt<F>::hb);
+  const int64_t ahead = t * (w.K / 32) + blk + PREFETCH_BLOCKS;
+  for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
+  for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
+}
+
+// After 32-block `blk`: where it ends an activation group (ACT_BLOCKS > 1), out[i] += dx_g acc[i] (out[i] =
+// on the first group) for rows m0..m0+rows-1, and acc[i] restarts at zero.
+static inline void group_end(const QX& x, int64_t blk, int64_t m0, int rows, vf* acc, vf* out) {
+  const int64_t nb = x.K / 32;
+  if (ACT_BLOCKS == 1 || (blk % ACT_BLOCKS != ACT_BLOCKS - 1 && blk != nb - 1)) return;
+  for (int i = 0; i < rows; i++) {
+    const vf dx = fset(x.d[(m0 + i) * nb + blk]);
+    out[i] = blk < ACT_BLOCKS ? fmul(dx, acc[i]) : ffma(dx, acc[i], out[i]);
+    acc[i] = fzero();
+  }
+}
+
+// y rows m0..m0+rows-1, lanes n0..n0+n-1 = their sums (acc, or out with activation groups) + bias.
+static inline void store_rows(const float* bias, float* y, int64_t N, int64_t n0, int n, int64_t m0, int rows,
+                              const vf* acc, const vf* out) {
+  for (int i = 0; i < rows; i++) {
+    const vf r = ACT_BLOCKS > 1 ? out[i] : acc[i];
+    fstore(y + (m0 + i) * N + n0, bias ? fadd(r, fload(bias + n0, n)) : r, n);
+  }
+}
+
 // Rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0) against W lanes of tile `t` at a time, blocks in
 // order. Each block's codes are unpacked once for all the rows, and the next blocks' planes are prefetched so
 // memory keeps streaming while the rows compute.
 template <int F, int R>
 static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t m0, int rows) {
   const int64_t nb = w.K / 32;
-  const int pf_lo = lo_bytes(Fmt<F>::hb), pf_hi = hi_bytes(Fmt<F>::hb);
   for (int e = 0; e < LANES; e += W) {
     const int64_t n0 = t * LANES + e;
     if (n0 >= w.N) break;
-    const int n = (int)(w.N - n0 < W ? w.N - n0 : W);
     vf acc[R ? R : RMAX], out[ACT_BLOCKS > 1 ? (R ? R : RMAX) : 1];  // out: the sum of scaled groups
     for (int i = 0; i < rows; i++) acc[i] = fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
-      if (e == 0) {  // planes are tile-major: `ahead` runs on into tile t + 1; later lane groups find it cached
-        const int64_t ahead = t * nb + blk + PREFETCH_BLOCKS;
-        for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
-        for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
-      }
+      if (e == 0) prefetch_ahead<F>(w, t, blk);  // later lane groups find the planes cached
       tile_block<F, R>(w, x, t, blk, e, m0, rows, acc);
-      if (ACT_BLOCKS > 1 && (blk % ACT_BLOCKS == ACT_BLOCKS - 1 || blk == nb - 1)) {  // a group's end: scale it
-        for (int i = 0; i < rows; i++) {
-          const vf dx = fset(x.d[(m0 + i) * nb + blk]);
-          out[i] = blk < ACT_BLOCKS ? fmul(dx, acc[i]) : ffma(dx, acc[i], out[i]);
-          acc[i] = fzero();
-        }
-      }
+      group_end(x, blk, m0, rows, acc, out);
     }
-    for (int i = 0; i < rows; i++) {
-      const vf r = ACT_BLOCKS > 1 ? out[i] : acc[i];
-      vf v = bias ? fadd(r, fload(bias + n0, n)) : r;
-      fstore(y + (m0 + i) * w.N + n0, v, n);
-    }
+    store_rows(bias, y, w.N, n0, (int)std::min<int64_t>(w.N - n0, W), m0, rows, acc, out);
   }
 }
 
-// Every input row against one row tile: up to UNROLLED_ROWS rows unrolled at compile time for their exact count
+#if defined(SD_AMX)
+#include "qgemm_tiles.h"
+#else
+struct TileScratch;  // tiles are the AMX build's
+#endif
+
+// Every input row against one row tile: on tiles when `ts` is given (the AMX build, enough rows, this thread's
+// tiles configured); else up to UNROLLED_ROWS rows unrolled at compile time for their exact count
 // (accumulators in registers), more in passes of up to RMAX rows that unpack each block once per pass.
 template <int F>
-static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
+static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M,
+                          TileScratch* ts) {
+#if defined(SD_AMX)
+  if (ts) return tiles_all_rows<F>(w, x, bias, y, t, M, *ts);
+#else
+  (void)ts;
+#endif
   switch (UNROLLED_ROWS >= M ? M : 0) {
     case 1: return tile_rows<F, 1>(w, x, bias, y, t, 0, 1);
     case 2: return tile_rows<F, 2>(w, x, bias, y, t, 0, 2);
@@ -491,8 +549,9 @@ static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y,
   for (int64_t m = 0; m < M; m += RMAX) tile_rows<F, 0>(w, x, bias, y, t, m, (int)(M - m < RMAX ? M - m : RMAX));
 }
 
-static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M) {
-  with_format(fmt, [&](auto f) { tile_all_rows<decltype(f)::value>(w, x, bias, y, t, M); });
+static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M,
+                     TileScratch* ts) {
+  with_format(fmt, [&](auto f) { tile_all_rows<decltype(f)::value>(w, x, bias, y, t, M, ts); });
 }
 
 // 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32] (at row m of
@@ -540,7 +599,15 @@ static_assert(QUANT_BLOCKS % ACT_BLOCKS == 0, "a work item holds whole activatio
 extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const float* const* biases, float* const* ys,
                                             int nw, const float* xf, int64_t M, int nthreads) {
   const int64_t K = wds[0]->K, nb = K / 32, parts = (nb + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
-  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+#if defined(SD_AMX)
+  const int rc = tile_chunk_rows(M);  // 0: the vector pass
+  const TileConfig cfg = tile_config(rc);
+  const int64_t rows_q = pad_rows(M, rc);  // tiles read whole chunks of codes
+#else
+  const int64_t rows_q = M;
+#endif
+  std::unique_ptr<int8_t[]> q(new int8_t[rows_q * K]);
+  memset(q.get() + M * K, 0, (rows_q - M) * K);
   std::unique_ptr<float[]> d(new float[M * K / 32]);
   std::unique_ptr<int32_t[]> noff16(new int32_t[M * K / 16]);
   std::unique_ptr<float[]> ds(new float[M * K / 32]);
@@ -561,20 +628,32 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
       const int64_t m = i / parts, b0 = i % parts * QUANT_BLOCKS, b1 = std::min(nb, b0 + QUANT_BLOCKS);
       quantize_blocks(xf, q.get(), d.get(), noff16.get(), ds.get(), noff.get(), m, b0, b1, M, K);
     }
+    TileScratch* ts = nullptr;  // this thread's tiles, where it runs them
+#if defined(SD_AMX)
+    TileScratch scratch;
+    if (rc && tile_configure(cfg)) {  // a thread whose tiles do not take the configuration runs vectors
+      memset(scratch.b, 0, sizeof scratch.b);
+      scratch.rc = rc;
+      ts = &scratch;
+    }
+#endif
     const int me = omp_get_thread_num();
     for (int64_t b, e; split.next(me, &b, &e);)
       for (int64_t g = b, i = 0; g < e; g++) {
         while (g >= first[i + 1]) i++;
-        run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M);
+        run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M, ts);
       }
+#if defined(SD_AMX)
+    if (rc) tile_release();  // leaves no tile state to this thread's next user (torch's pool)
+#endif
   }
 }
 
 // The inner step alone, for `doctor`'s roofline: multiply-accumulates per second of `nthreads` threads running
 // row_block<F> (one 32-block's integer dot products and float scaling for LOOP_ROWS input rows, accumulators in
 // registers) over codes already unpacked and inputs in L1, best of `tries`. No unpacking, scale loading or
-// weight streaming: the rate the many-row products could reach if those cost nothing. `sink` receives a value
-// depending on every result, so the compiler keeps the loop.
+// weight streaming: the rate the many-row products could reach if those cost nothing (the AMX build: its tile
+// pass's step, tile_loop). `sink` receives a value depending on every result, so the compiler keeps the loop.
 #define LOOP_ROWS 8
 #define LOOP_BLOCKS 32  // input rows of 1024 values: 8 KB of codes, in L1
 template <int F>
@@ -594,12 +673,16 @@ static double loop_rate(int64_t reps, int seed, float* sink) {
   vf acc[LOOP_ROWS];
   for (int i = 0; i < LOOP_ROWS; i++) acc[i] = fzero();
   const double t0 = omp_get_wtime();
+#if defined(SD_AMX)  // the tile pass's step: sums on tiles, the same scaling
+  if (!tile_loop<F>(x, reps, u, a0, a1, bm, acc)) return -1.0;
+#else
   for (int64_t r = 0; r < reps; r++)
     for (int64_t blk = 0; blk < nb; blk++) {
       for (int g = 0; g < 8; g++) __asm__ volatile("" : "+v"(u[g]), "+v"(uh[g]));  // codes "change": no hoisting
 #pragma GCC unroll 8
       for (int i = 0; i < LOOP_ROWS; i++) row_block<F>(x, blk, i, u, uh, a0, a1, bm, acc[i]);
     }
+#endif
   const double dt = omp_get_wtime() - t0;
   float out[W];
   for (int i = 0; i < LOOP_ROWS; i++) {
@@ -614,8 +697,13 @@ extern "C" double SD_EXPORT(sd_loop_macs, SD_ISA)(int fmt, int64_t reps, int nth
   for (int t = 0; t < tries; t++) {
     double total = 0.0;
     float s = 0.0f;
-#pragma omp parallel num_threads(nthreads) reduction(+ : total, s)
-    with_format(fmt, [&](auto f) { total += loop_rate<decltype(f)::value>(reps, omp_get_thread_num() + t, &s); });
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, s, failed)
+    with_format(fmt, [&](auto f) {
+      const double rate = loop_rate<decltype(f)::value>(reps, omp_get_thread_num() + t, &s);
+      total += rate, failed += rate < 0;
+    });
+    if (failed) return 0.0;  // a thread's tiles could not be configured: no rate
     *sink += s;
     if (total > best) best = total;
   }

@@ -14,7 +14,9 @@ struct QWDesc {  // one weight's planes, bound once from Python (kernels/qgemm.p
 
 #define MAX_WEIGHTS 8  // weights sharing one input per call (q/k/v, gate/up)
 
-#if defined(SD_AVX512)
+#if defined(SD_AMX)
+#define SD_QISA amx
+#elif defined(SD_AVX512)
 #define SD_QISA avx512
 #elif defined(SD_AVXVNNI)
 #define SD_QISA avxvnni
