@@ -12,8 +12,8 @@ from swiftdecode import Generator
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel
 
-# the shapes whose architectures run natively (tiny-gemma3's window, 16 tokens, is shorter than the tests' contexts)
-NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3", "tiny-smollm3", "tiny-gemma3")
+# the shapes whose architectures run natively (the Gemmas' windows, 16 tokens, are shorter than the tests' contexts)
+NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3", "tiny-smollm3", "tiny-gemma3", "tiny-gemma2")
 # Our forward quantizes each row's activations to int8 per 32 values (as llama.cpp does); transformers dequantizes
 # the same blocks to float32 and multiplies in float32. On these files (logits' standard deviation ~0.32) the mean
 # difference measured 0.7-1.4% of that spread and the largest 5-14%: the bounds leave room for the seeds' spread.
@@ -183,6 +183,42 @@ def test_activations_per_256_values_keep_every_invariant(tiny):
     assert (ours - ref).abs().mean() < MEAN_TOLERANCE * ref.std()
     _assert_chain_is_one_row_forwards(sm, name)
     _assert_methods_match_ar(model, tok, name)
+
+
+@pytest.mark.parametrize("tiny", ["tiny-gemma2"], indirect=True)
+def test_gemma2_soft_caps_are_transformers(tiny):
+    """Gemma 2's caps of the attention scores and the final logits are read from the file (llama.cpp's keys) and,
+    set small enough to bend this file's scores (~0.1) and logits (up to ~1.2), applied as transformers' eager
+    forward applies them: the native loop stays within the parity bounds of transformers under the same caps, its
+    logits within the final cap, and well outside the bounds of transformers capping the logits alone (the file's
+    own caps, 50 and 30, barely touch random weights); k rows stay k one-row forwards bit for bit."""
+    from transformers import AutoConfig
+
+    name, entry, path, (model, _) = tiny
+    config, ids = AutoConfig.from_pretrained(entry), list(range(300, 340))
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.query_pre_attn_scalar == config.head_dim == 64  # llama.cpp's query scale below 27B
+    caps = {"attn_logit_softcapping": 0.02, "final_logit_softcapping": 0.5}
+    published = {k: getattr(model.config, k) for k in caps}
+    refs = []
+    try:
+        for key, cap in caps.items():
+            setattr(model.config, key, cap)
+        sm = SwiftModel(model)  # reads the caps
+        with torch.inference_mode():
+            ours = sm.logits(sm.prefill(ids, SwiftCache(sm.n_layers)))
+            config.final_logit_softcapping = caps["final_logit_softcapping"]
+            for attn_cap in (caps["attn_logit_softcapping"], published["attn_logit_softcapping"]):
+                config.attn_logit_softcapping = attn_cap
+                refs.append(reference_model(path, config).eval()(torch.tensor([ids])).logits[0])
+        _assert_chain_is_one_row_forwards(sm, name)
+    finally:
+        for key, cap in published.items():
+            setattr(model.config, key, cap)
+    (ref, logits_capped_only), std = refs, refs[0].std()
+    assert sm.layer_loop() == "native" and ours.abs().max() <= 0.5
+    assert (ours - ref).abs().mean() < MEAN_TOLERANCE * std and (ours - ref).abs().max() < MAX_TOLERANCE * std
+    assert (ours - logits_capped_only).abs().mean() > 3 * MEAN_TOLERANCE * std  # measured 0.017 against 0.11
 
 
 @pytest.mark.parametrize("tiny", ["tiny-llama3"], indirect=True)

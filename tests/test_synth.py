@@ -38,6 +38,10 @@ EXPECTED = {
     ),
     "tiny-smollm3": (["blk.1.ffn_gate.weight"], ["output.weight", "rope_freqs.weight", "blk.0.attn_q_norm.weight"]),
     "tiny-gemma3": (["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"], ["output.weight"]),
+    "tiny-gemma2": (
+        ["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"],
+        ["output.weight", "blk.0.attn_q_norm.weight"],
+    ),
 }
 # bartowski/Qwen_Qwen3-4B-GGUF (llama.cpp b5200): Qwen3-4B-Q4_K_M.gguf 2.50 GB, Qwen3-4B-Q8_0.gguf 4.28 GB
 PUBLISHED = [("qwen3-4b", "q4_k_m", 2.50e9), ("qwen3-4b", "q8_0", 4.28e9)]
@@ -133,6 +137,7 @@ def test_published_shapes_have_their_parameter_counts():
     assert param_count(SHAPES["qwen3-0.6b"]) == 596_049_920  # Qwen3-0.6B's model card: 0.6B (0.44B non-embedding)
     assert abs(param_count(SHAPES["llama-3.1-8b"]) / 8.03e9 - 1) < 0.01
     assert abs(param_count(SHAPES["phi-4-mini"]) / 3.84e9 - 1) < 0.01
+    assert param_count(SHAPES["gemma-2-2b"]) == 2_614_341_888  # Gemma 2 2B's model card: 2.6B, tied embedding
 
 
 def test_size_estimate_matches_written_files(tiny_files):

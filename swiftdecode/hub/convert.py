@@ -19,7 +19,9 @@ ROPE_FREQS_FILE = "rope_freqs.npy"  # ... kept beside a float32 entry's config, 
 # GGUF architectures whose config transformers' GGUF reader lacks and we read (`_config`); their tensors are
 # stored as llama.cpp stores llama's (q/k rows permuted: SmolLM3's converter extends LlamaModel)
 LLAMA_LIKE = ("smollm3",)
-GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by (hidden / heads)^-0.5, other sizes' by head_dim's
+# llama.cpp scales the queries of Gemma 2 and 3 27B (known by their layers) by (hidden / heads)^-0.5, other sizes'
+# by head_dim's
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # llama.cpp's keys of a Llama-anatomy GGUF (after "<arch>.") -> config fields, as transformers' reader maps llama's
 LLAMA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -57,8 +59,8 @@ def read_meta(gguf: Path, progress: bool):
         del config.quantization_config
     if config.model_type == "phi3":
         _phi3(config, gguf)
-    if config.model_type == "gemma3_text":
-        _gemma3(config, gguf)
+    if config.model_type in GEMMA_27B_LAYERS:
+        _gemma(config, gguf)
     return tokenizer, config
 
 
@@ -118,20 +120,26 @@ def _phi3(config, gguf: Path) -> None:
         config.sliding_window = window
 
 
-def _gemma3(config, gguf: Path) -> None:
-    """What transformers' GGUF reader leaves out of a Gemma 3 config, as llama.cpp reads the file: the global
-    layers' linear rotary scaling (4B and up; the sliding layers' base and scale are fixed), and the queries' scale
-    (llama.cpp's rule, by size: the config's default query_pre_attn_scalar, 256, holds where head_dim is 256)."""
+def _gemma(config, gguf: Path) -> None:
+    """What transformers' GGUF reader leaves out of a Gemma 2 or 3 config, as llama.cpp reads the file: Gemma 2's
+    soft caps of the attention scores and the final logits (the config's defaults, 50 and 30, where the file has
+    none), Gemma 3's global layers' linear rotary scaling (4B and up; the sliding layers' base and scale are
+    fixed), and the queries' scale (llama.cpp's rule, by size: the config's default query_pre_attn_scalar, 256,
+    holds where head_dim is 256)."""
     from gguf import GGUFReader
 
+    arch = config.model_type.removesuffix("_text")
     fields = GGUFReader(gguf).fields
-    value = lambda key: None if (f := fields.get(f"gemma3.{key}")) is None else f.contents()
-    if (kind := value("rope.scaling.type")) not in (None, "none", "linear"):
-        raise UserError(f"gemma3 GGUF with rotary scaling {kind!r}: not supported")
+    value = lambda key: None if (f := fields.get(f"{arch}.{key}")) is None else f.contents()
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if arch == "gemma2" and (v := value(cap)) is not None:
+            setattr(config, cap, v)
+    if (kind := value("rope.scaling.type")) not in (None, "none") and (kind, arch) != ("linear", "gemma3"):
+        raise UserError(f"{arch} GGUF with rotary scaling {kind!r}: not supported")
     if kind == "linear":
         rope, linear = config.rope_parameters, {"rope_type": "linear", "factor": value("rope.scaling.factor")}
         config.rope_parameters = rope | {"full_attention": rope["full_attention"] | linear}
-    wide = config.num_hidden_layers == GEMMA3_27B_LAYERS
+    wide = config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]
     config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
 
 

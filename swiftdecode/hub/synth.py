@@ -54,8 +54,8 @@ class Shape:
     rms_eps: float
     tied: bool  # the output projection is the token embedding
     llama3_rope: tuple[float, float, float, int] | None = None  # (factor, low_freq, high_freq, original context)
-    sliding_window: int = 0  # gemma3: local-attention window; phi3: its config's sliding_window (0: none)
-    sliding_pattern: int = 0  # gemma3: every Nth layer attends globally (llama.cpp fixes it at 6: no GGUF key)
+    sliding_window: int = 0  # gemma: local-attention window; phi3: its config's sliding_window (0: none)
+    sliding_pattern: int = 0  # gemma: every Nth layer attends globally (llama.cpp fixes it: 2, gemma3 6; no key)
     rope_dims: int = 0  # phi3 partial rotary: dimensions rotated per head (0: all of head_dim)
     longrope_context: int = 0  # phi3 LongRoPE: original context length (0: no LongRoPE)
 
@@ -80,8 +80,9 @@ SHAPES = {
     "phi-4-mini": Shape("phi3", 32, 3072, 24, 8, 128, 8192, 200064, 131072, 1e4, 1e-5, True, None, 262144, 0, 96, 4096),
     # HuggingFaceTB/SmolLM3-3B config.json: Llama anatomy, every 4th layer without rotary (llama.cpp fixes the step)
     "smollm3-3b": Shape("smollm3", 36, 2048, 16, 4, 128, 11008, 128256, 65536, 5e6, 1e-6, True),
-    # google/gemma-3-1b-it config.json
+    # google/gemma-3-1b-it, google/gemma-2-2b-it config.json
     "gemma-3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True, None, 512, 6),
+    "gemma-2-2b": Shape("gemma2", 26, 2304, 8, 4, 256, 9216, 256000, 8192, 1e4, 1e-6, True, None, 4096, 2),
     # Tiny test shapes: 6 layers (layer-skip drafts need some), widths multiples of 256 (every K-quant block fits),
     # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied) with Phi-3-mini's sliding
     # window on every layer. tiny-qwen3 keeps head_dim 128 (as all dense Qwen3): transformers reads no head_dim
@@ -92,9 +93,13 @@ SHAPES = {
     "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 16, 0, 48, 4096),
     "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
     "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6),
+    "tiny-gemma2": Shape("gemma2", 6, 256, 4, 2, 64, 512, None, 4096, 1e4, 1e-6, True, None, 16, 2),
 }
-ARCHES = {n: a for a, n in MODEL_ARCH_NAMES.items() if n in ("qwen3", "llama", "qwen2", "phi3", "smollm3", "gemma3")}
-GEMMA3_PATTERN = 6  # llama.cpp's gemma3 loader and transformers' Gemma3TextConfig both fix the pattern at 6
+GEMMAS = ("gemma2", "gemma3")
+ARCHES = {n: a for a, n in MODEL_ARCH_NAMES.items() if n in ("qwen3", "llama", "qwen2", "phi3", "smollm3", *GEMMAS)}
+# every Nth layer attends globally: llama.cpp's loaders and transformers' configs fix it per architecture
+GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention and final logit caps of every published Gemma 2 (config.json)
 
 # --format -> (llama.cpp's default block type for it, general.file_type)
 FORMATS = {
@@ -104,7 +109,7 @@ FORMATS = {
 }
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama.cpp's types for rows that 256-element blocks do not divide
 WEIGHT_RMS = 0.02  # dequantized weights' RMS, as a trained model's init: a forward stays finite through 30+ layers
-NORM_NOISE = 0.02  # norm weights are 1 + N(0, NORM_NOISE) (gemma3's GGUF stores its norms with the +1 folded in)
+NORM_NOISE = 0.02  # norm weights are 1 + N(0, NORM_NOISE) (gemma's GGUF stores its norms with the +1 folded in)
 BIAS_RMS = 0.02  # qwen2's attention biases: N(0, BIAS_RMS)
 PAD_SCORE = -1000.0  # score llama.cpp's converter gives added tokens, for tokenizers that carry scores
 # Size estimates: tokenizer metadata per vocab entry (token string, type, merge: 1.77 MB for smollm2's 49152), the rest
@@ -184,8 +189,8 @@ def _layer(s: Shape) -> list[tuple[MODEL_TENSOR, tuple[int, ...], str]]:
         attn, ffn = [(T.ATTN_QKV, (q + 2 * kv, h))], [(T.FFN_UP, (2 * f, h))]
     qk_norms = [(T.ATTN_Q_NORM, (s.head_dim,)), (T.ATTN_K_NORM, (s.head_dim,))]
     qk_norms = qk_norms if s.arch in ("qwen3", "gemma3") else []
-    post_attn = [(T.ATTN_POST_NORM, (h,))] if s.arch == "gemma3" else []
-    post_ffn = [(T.FFN_POST_NORM, (h,))] if s.arch == "gemma3" else []
+    post_attn = [(T.ATTN_POST_NORM, (h,))] if s.arch in GEMMAS else []
+    post_ffn = [(T.FFN_POST_NORM, (h,))] if s.arch in GEMMAS else []
     rows = [(T.ATTN_NORM, (h,)), *attn, *qk_norms, (T.ATTN_OUT, (h, q)), *post_attn, (T.FFN_NORM, (h,)), *ffn]
     out = [(kind, dims, "weight") for kind, dims in [*rows, (T.FFN_DOWN, (h, f)), *post_ffn]]
     if s.arch == "qwen2":  # qwen2's q/k/v projections carry biases
@@ -317,14 +322,17 @@ def _add_metadata(w: GGUFWriter, s: Shape, name: str, fmt: str, vocab: int) -> N
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_eps)
-    if s.heads * s.head_dim != s.hidden or s.arch == "gemma3":  # else llama.cpp derives it: hidden / heads
+    if s.heads * s.head_dim != s.hidden or s.arch in GEMMAS:  # else llama.cpp derives it: hidden / heads
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
     if s.arch in ("llama", "smollm3"):  # convert_hf_to_gguf.py's LlamaModel, which SmolLM3's converter extends
         w.add_vocab_size(vocab)
         w.add_rope_dimension_count(s.head_dim)
-    if s.arch in ("phi3", "gemma3"):
+    if s.arch in ("phi3", *GEMMAS):
         w.add_sliding_window(s.sliding_window)
+    if s.arch == "gemma2":
+        w.add_attn_logit_softcapping(GEMMA2_SOFTCAPS[0])
+        w.add_final_logit_softcapping(GEMMA2_SOFTCAPS[1])
     if s.arch == "phi3":
         w.add_rope_dimension_count(s.rope_dims or s.head_dim)
         w.add_rope_scaling_orig_ctx_len(s.longrope_context or s.context)
@@ -348,8 +356,8 @@ def write(
     name, s = resolve(shape)
     if fmt not in FORMATS:
         raise UserError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
-    if s.arch == "gemma3" and s.sliding_pattern != GEMMA3_PATTERN:
-        raise UserError(f"gemma3's sliding-window pattern is {GEMMA3_PATTERN} in llama.cpp and transformers")
+    if s.arch in GEMMAS and s.sliding_pattern != GEMMA_PATTERNS[s.arch]:
+        raise UserError(f"{s.arch}'s sliding-window pattern is {GEMMA_PATTERNS[s.arch]} in llama.cpp and transformers")
     path, w = Path(path), GGUFWriter(None, s.arch)
     vocab = _copy_tokenizer(w, Path(tokenizer_from), s.vocab)
     _add_metadata(w, s, name, fmt, vocab)

@@ -25,7 +25,7 @@ NO_ROTARY = -1  # csrc LayerWeights.rotary of a layer without rotary (SmolLM3's 
 
 class _Config(ctypes.Structure):
     _fields_ = [*((n, _I) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")), ("eps", _F), ("scale", _F)]
-    _fields_ += [("kv_half", _I), ("rot_dim", _I), ("gelu", _I)]
+    _fields_ += [("kv_half", _I), ("rot_dim", _I), ("gelu", _I), ("softcap", _F)]
 
 
 class _Layer(ctypes.Structure):
@@ -76,7 +76,8 @@ class FusedDecoder:
 
     def __init__(self, qkernel: QKernel, layers: list[LayerWeights], dims: dict, ops: dict[str, int]):
         """dims: hidden, heads, kv_heads, head_dim, inter (ints), eps, scale (floats), kv_half (the caches hold
-        fp16 keys/values), rot_dim (each head's rotated dims), gelu (the MLP's activation is GeLU, else SiLU);
+        fp16 keys/values), rot_dim (each head's rotated dims), gelu (the MLP's activation is GeLU, else SiLU),
+        softcap (the attention scores' cap, Gemma 2's; 0: none);
         ops: the fp32 kernel library's entry points (kernels/fp32.py: Kernel.addresses)."""
         self.layers, self.n_layers = layers, len(layers)
         self.config = _Config(**dims)

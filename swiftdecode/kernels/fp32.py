@@ -38,7 +38,7 @@ SIGNATURES = {
     "linear": [P] * 4 + [I64] * 3 + [I32],
     "linear_t": [P] * 4 + [I64] * 3 + [F32] + [P] * 2 + [I32],
     "attention": [P, I64, I64] * 3 + [P, I64, P, *[I64] * 5, F32, P, I32, F32],
-    "attention_many": [P] * 6 + [I64] * 4 + [F32, P, I64, I32, I32],
+    "attention_many": [P] * 6 + [I64] * 4 + [F32, P, I64, I32, I32, F32],
     "rmsnorm": [P] * 3 + [I64] * 2 + [F32, I32],
     "rope": [P] * 3 + [I64] * 3,
     "silu_mul": [P] * 2 + [I64, I32],
@@ -128,12 +128,20 @@ class Kernel:
         return out
 
     def attention_many(
-        self, q: torch.Tensor, ks: list, vs: list, masks: list, sizes: list[int], scale: float
+        self,
+        q: torch.Tensor,
+        ks: list,
+        vs: list,
+        masks: list,
+        sizes: list[int],
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of several sequences in one call: q [R, H, D] contiguous, sequence j owning the next
         sizes[j] rows, over its own keys/values ks[j]/vs[j] [Hkv, T_j, D] (key stride D, equal head strides;
         all fp32, or all fp16: widened exactly) under masks[j] [sizes[j], ≥ T_j] additive -> [R, H, D], each
-        sequence's rows exactly as `attention` computes them on fp32 keys/values of the same values."""
+        sequence's rows exactly as `attention` computes them (softcap too) on fp32 keys/values of the same
+        values."""
         (_, h, d), hkv, n = q.shape, ks[0].shape[0], len(ks)
         dims, row = [], 0
         for k, v, mask, m in zip(ks, vs, masks, sizes, strict=True):
@@ -163,6 +171,7 @@ class Kernel:
             max_t,
             threads,
             int(ks[0].dtype == torch.float16),
+            softcap or 0.0,
         )
         return out
 

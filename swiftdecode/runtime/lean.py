@@ -1,7 +1,8 @@
-"""A lean forward for Llama-family decoders (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Gemma 3: pre-norm
-RMSNorm, rotary, grouped-query attention, gated MLP; Qwen3's and Gemma's per-head query/key RMSNorm, SmolLM3's layers
-without rotary, Gemma 3's GeLU, norms of the sublayers' outputs and sliding-window layers with a rotary of their
-own), over the model's own modules and weights.
+"""A lean forward for Llama-family decoders (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Gemma 2 and 3:
+pre-norm RMSNorm, rotary, grouped-query attention, gated MLP; Qwen3's and Gemma 3's per-head query/key RMSNorm,
+SmolLM3's layers without rotary, Gemma's GeLU, norms of the sublayers' outputs and sliding-window layers (Gemma
+3's with a rotary of their own), Gemma 2's soft-capped attention scores), over the model's own modules and
+weights.
 
 Why: with quantized weights a decoder layer's matmuls take ~0.5 ms, and transformers' module stack around them
 (hooks, mask and cache plumbing, a dozen small tensor ops per norm and rotary) costs about as much again. This
@@ -24,12 +25,13 @@ from swiftdecode.kernels.qgemm import Plan
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.skip import SkipSet
 
-# one anatomy (Qwen3: q/k norms; Phi-3: fused projections; SmolLM3: layers without rotary; Gemma 3: GeLU, norms of
-# the sublayers' outputs, sliding-window layers with their own rotary)
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3_text")
+# one anatomy (Qwen3: q/k norms; Phi-3: fused projections; SmolLM3: layers without rotary; Gemma: GeLU, norms of
+# the sublayers' outputs, sliding-window layers, Gemma 2's capped scores, Gemma 3's q/k norms and second rotary)
+GEMMA = ("gemma2", "gemma3_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", *GEMMA)
 DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies change with the sequence: HF's module computes those tables
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (the kernel library's gelu_mul)
-NORM_PLUS_ONE = ("gemma3_text",)  # its RMSNorm scales by 1 + weight
+NORM_PLUS_ONE = GEMMA  # their RMSNorm scales by 1 + weight
 SLIDING = "sliding_attention"  # config.layer_types' name of a layer attending within the sliding window
 
 
@@ -38,14 +40,12 @@ def why_not(model: torch.nn.Module) -> str | None:
     config = model.config.get_text_config()
     if config.model_type not in MODEL_TYPES:
         return f"no lean forward for {config.model_type!r} yet (lean: {', '.join(MODEL_TYPES)})"
-    gemma = config.model_type == "gemma3_text"
+    gemma = config.model_type in GEMMA
     if (act := _activation(config)) != (GELU_TANH if gemma else "silu"):
-        return f"activation {act!r} (lean: silu; Gemma 3: {GELU_TANH})"
-    if gemma:
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            return "attention logit soft-capping"
-        return "bidirectional attention" if getattr(config, "use_bidirectional_attention", False) else None
-    return None  # sliding-window layers (_spec) run here
+        return f"activation {act!r} (lean: silu; Gemma: {GELU_TANH})"
+    if gemma and getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    return None  # sliding-window layers (_spec) and Gemma 2's capped scores run here
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class LeanDecoder:
         self.layers = self.base.layers
         attn, config = self.layers[0].self_attn, model.config.get_text_config()
         self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2's cap of the attention scores
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.widths = (self.heads * self.head_dim, *2 * (self.kv_heads * self.head_dim,))  # q, k, v outputs
         norm = self.layers[0].input_layernorm
@@ -162,7 +163,8 @@ class LeanDecoder:
             cache.layers[i].update(kj.transpose(0, 1)[None].to(dtype), vj.transpose(0, 1)[None].to(dtype))
             for kj, vj, cache in zip(k.split(sizes), v.split(sizes), caches, strict=True)
         ]
-        out = kernel.attention_many(q, [k[0] for k, _ in kv], [v[0] for _, v in kv], masks, sizes, self.scale)
+        keys, values = [k[0] for k, _ in kv], [v[0] for _, v in kv]
+        out = kernel.attention_many(q, keys, values, masks, sizes, self.scale, self.softcap)
         return attn.o_proj(out.reshape(rows, -1))
 
     def _native(self, kernel) -> FusedDecoder | None:
@@ -190,6 +192,7 @@ class LeanDecoder:
                     kv_half=int(self.kv_dtype == torch.float16),
                     rot_dim=self.rot_dim,
                     gelu=int(self.gelu),
+                    softcap=self.softcap or 0.0,
                 )
                 fused = FusedDecoder(attn.o_proj.kernel, weights, dims, kernel.addresses)
             self._fused = (kernel, fused)

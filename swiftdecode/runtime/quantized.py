@@ -108,8 +108,9 @@ def _empty_model(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
+    attn = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"  # SDPA cannot cap scores (Gemma 2)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     try:
         model.generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:

@@ -27,6 +27,7 @@ struct DecConfig {
   int64_t kv_half;  // the caches hold keys/values as fp16 (else fp32)
   int64_t rot_dim;  // each head's first rot_dim dims are rotated (head_dim, or less: Phi-4's partial rotary)
   int64_t gelu;     // the MLP's activation: GeLU, tanh approximation (Gemma), else SiLU
+  float softcap;    // attention scores become softcap * tanh(score / softcap) (Gemma 2), or 0: as they are
 };
 
 struct DecLayer {  // w[W_K], w[W_V] null: w[W_Q] is q, k, v fused (Phi-3); w[W_UP] null: w[W_GATE] is gate, up fused
@@ -47,7 +48,7 @@ struct DecOps {  // the fp32 kernels (swiftdecode/csrc/skinny_gemm.cpp), bound f
   void (*rope)(float* x, const float* cos_, const float* sin_, int64_t q, int64_t heads, int64_t D);
   void (*attention_many)(const float* q, const void* const* ks, const void* const* vs, const float* const* masks,
                          const int64_t* dims, float* out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
-                         float scale, float* scratch, int64_t max_t, int nthreads, int kv_half);
+                         float scale, float* scratch, int64_t max_t, int nthreads, int kv_half, float softcap);
   void (*silu_mul)(float* g, const float* u, int64_t n, int nthreads);
   void (*gelu_mul)(float* g, const float* u, int64_t n, int nthreads);
 };
@@ -147,7 +148,7 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
     max_t = std::max(max_t, t);
   }
   ops.attention_many(q, ks.data(), vs.data(), masks.data(), dims.data(), att, nseq, c.heads, c.kv_heads, D, c.scale,
-                     scratch, max_t, nthreads, (int)c.kv_half);
+                     scratch, max_t, nthreads, (int)c.kv_half, c.softcap);
 }
 
 // x [R, hidden] (the embeddings in, the last layer's residual stream out, in place); cos_[i]/sin_[i] [R, rot_dim]:

@@ -701,11 +701,12 @@ extern "C" void SD_ATTN(const float* q, int64_t q_sh, int64_t q_sm, const float*
 // dims[5i]), attends to its own keys/values ks[i]/vs[i] [Hkv, *, D] (head stride dims[5i+2], key stride D,
 // T_i = dims[5i+1] keys; fp32, or fp16 bits when kv_half) under its additive mask masks[i] [M_i, T_i] (row
 // stride dims[5i+3]). Every item is computed exactly as sd_attention computes it for that sequence alone (with
-// fp16 keys/values: as it computes it on those values widened to fp32).
+// fp16 keys/values: as it computes it on those values widened to fp32; softcap as sd_attention's).
 extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void* const* ks, const void* const* vs,
                                                    const float* const* masks, const int64_t* dims, float* out,
                                                    int64_t nseq, int64_t H, int64_t Hkv, int64_t D, float scale,
-                                                   float* scratch, int64_t max_t, int nthreads, int kv_half) {
+                                                   float* scratch, int64_t max_t, int nthreads, int kv_half,
+                                                   float softcap) {
   const int64_t subs = (H / Hkv + HB - 1) / HB;
   std::vector<int64_t> first(nseq + 1, 0);  // first work item of each sequence
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + Hkv * subs * dims[5 * i];
@@ -727,10 +728,10 @@ extern "C" void SD_EXPORT(sd_attention_many, SD_ISA)(const float* q, const void*
         const int64_t M = di[0], r = it - first[i], g = r / (subs * M), sb = (r / M) % subs, m = r % M;
         if (kv_half)
           attend_item(q + di[4] * H * D, D, H * D, (const uint16_t*)ks[i], di[2], D, (const uint16_t*)vs[i], di[2],
-                      D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, 0.0f);
+                      D, masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, softcap);
         else
           attend_item(q + di[4] * H * D, D, H * D, (const float*)ks[i], di[2], D, (const float*)vs[i], di[2], D,
-                      masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, 0.0f);
+                      masks[i], di[3], out + di[4] * H * D, H, Hkv, M, di[1], D, scale, sc, g, sb, m, softcap);
       }
   }
 }
