@@ -12,7 +12,8 @@
 // below: per 32, acc += (a dx) s; per 256, the group's acc_g += a s (no dx: one multiply per row and block
 // fewer) and acc = dx_g acc_g + acc at the group's end. Integer sums are exact and the float sequence depends
 // only on (m, n), never on M, the thread split or the ISA, so row m of an M-row product is bit-identical to the
-// 1-row product, and the AVX2 and AVX-VNNI builds return exactly what the AVX-512 build returns.
+// 1-row product, and the AVX2, AVX-VNNI and AMX builds return exactly what the AVX-512 build returns (the AMX
+// build's many-row pass: qgemm_tiles.h).
 //
 // Weight layout (written by swiftdecode/kernels/qweight.py from the GGUF blocks, same bits, rows interleaved):
 // rows in tiles of 16 lanes; per tile and 32-block, `lo` holds 4 loads of [16 lanes x 4 bytes]: load h, lane j,
