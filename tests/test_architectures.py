@@ -237,15 +237,18 @@ def test_llama3_rotary_frequencies_are_divided_by_the_files_factors(tiny):
     assert torch.equal(model.model.rotary_emb.inv_freq, want) and (factors[0] > 1).any()
 
 
-@pytest.mark.parametrize("tiny", ["tiny-llama3", "tiny-phi3"], indirect=True)
+@pytest.mark.parametrize("tiny", ["tiny-llama3", "tiny-phi3", "tiny-gemma2"], indirect=True)
 def test_float32_weights_keep_what_the_gguf_reader_drops(tiny):
     """`--weights fp32` builds its model under the config our reading completes (Phi-3's partial rotary and
-    LongRoPE factors) and applies Llama 3's rotary factors, as the quantized path does: the same frequencies."""
+    LongRoPE factors, Gemma 2's caps and query scale; eager attention, which Gemma 2 needs) and applies Llama 3's
+    rotary factors, as the quantized path does: the same frequencies and fields."""
     import swiftdecode
 
     name, _, path, (model, _) = tiny
     f32, _ = swiftdecode.load(str(path), cache_dir=str(path.parent / "cache"), weights="fp32", progress=False)
     assert torch.equal(f32.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq), name
+    fields = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+    assert all(getattr(f32.config, f, None) == getattr(model.config, f, None) for f in fields), name
 
 
 @pytest.mark.parametrize("tiny", ["tiny-smollm3"], indirect=True)

@@ -37,6 +37,12 @@ LLAMA_KEYS = {
 }
 
 
+def attention_for(config) -> str:
+    """The attention transformers builds a model of `config` with: SDPA, or eager where the model caps its scores
+    (Gemma 2: transformers refuses SDPA there). On the fast path our own attention replaces either."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def read_meta(gguf: Path, progress: bool):
     """(tokenizer, config) of a GGUF file, read by transformers without touching its tensors (the config of a
     `LLAMA_LIKE` architecture read here)."""

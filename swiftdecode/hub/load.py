@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from swiftdecode.base.errors import UserError
-from swiftdecode.hub.convert import GGUF_FILE, ROPE_FREQS_FILE, convert_gguf, divide_rotary, quiet
+from swiftdecode.hub.convert import GGUF_FILE, ROPE_FREQS_FILE, attention_for, convert_gguf, divide_rotary, quiet
 from swiftdecode.hub.entries import entry_ok, resolve_cache_dir
 from swiftdecode.hub.registry import REGISTRY, known_names
 from swiftdecode.hub.store import pull
@@ -39,12 +39,14 @@ def locate_gguf(name_or_path: str, *, cache_dir=None, progress: bool = True, for
 def _from_folder(folder: str | Path, dtype, progress: bool, local_only: bool = False):
     """(model, tokenizer) of an HF folder or hub id; a float32 entry of a Llama 3 GGUF gets its rotary factors."""
     import numpy as np
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kw = {"local_files_only": True} if local_only else {}
     with quiet(not progress):
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kw)
+        config = AutoConfig.from_pretrained(folder, **kw)
+        attn = attention_for(config)
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, attn_implementation=attn, **kw)
     if (factors := Path(folder) / ROPE_FREQS_FILE).is_file():
         divide_rotary(model, np.load(factors))
     return model.eval(), tokenizer

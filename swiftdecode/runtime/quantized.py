@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from swiftdecode.base.errors import UserError
-from swiftdecode.hub.convert import LLAMA_LIKE, ROPE_FREQS_TENSOR, divide_rotary
+from swiftdecode.hub.convert import LLAMA_LIKE, ROPE_FREQS_TENSOR, attention_for, divide_rotary
 from swiftdecode.kernels.gguf_index import TensorInfo, read_index
 from swiftdecode.kernels.layout_cache import LAYOUT_FILE, LayoutWriter, layout_key, read_layout
 from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
@@ -108,9 +108,8 @@ def _empty_model(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
-    attn = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"  # SDPA cannot cap scores (Gemma 2)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention_for(config))
     try:
         model.generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:
