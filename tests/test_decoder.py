@@ -82,7 +82,7 @@ def test_float_projections_keep_the_python_loop(smollm_fp32):
 @pytest.mark.parametrize("isa", ["avx2", "avxvnni", "amx"])
 def test_a_named_isa_runs_every_kernel_of_that_build_with_the_same_bits(smollm, isa):
     """fast_path "skinny-avx2" (what an AVX2-only CPU runs) picks the quantized kernel's AVX2 build,
-    "skinny-avxvnni" its AVX-VNNI build (float kernels: AVX2) and "skinny-amx" its AMX build (tiles from 5 rows;
+    "skinny-avxvnni" its AVX-VNNI build (float kernels: AVX2) and "skinny-amx" its AMX build (tiles;
     float kernels: AVX-512); a whole quantized model's logits are the same bits as on the default path: outputs do
     not depend on the CPU."""
     import swiftdecode

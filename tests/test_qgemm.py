@@ -77,7 +77,7 @@ def test_formats(kind, act):
         assert torch.equal(kern.rows(w, torch.arange(n)), ref), f"{kern.isa}: dequantized rows differ from GGUF's"
         one = torch.cat([kern.linear(x[i : i + 1], w, bias) for i in range(len(x))])
         for rows in (3, 6, 8, 11, 16, 17, 33, 70):  # unrolled (<= 4 AVX-512, <= 8 AVX2), rolled passes; tiles
-            # from 5 rows in chunks of <= 16 (17: two of 9, the last padded; 33: three of 11; 70: five of 14)
+            # in chunks of <= 16 rows (17: two of 9, the last padded; 33: three of 11; 70: five of 14)
             y = kern.linear(x[:rows], w, bias)
             assert torch.equal(y, one[:rows]), f"{kern.isa}: a {rows}-row product differs from one-row products"
         want = x @ ref.T + bias
@@ -223,8 +223,8 @@ def test_an_unknown_activation_block_is_a_clear_error():
 
 def test_the_amx_build_gives_a_whole_model_the_same_bits(smollm):
     """The AMX build (tiles where the CPU has them, emulated elsewhere) runs a whole quantized model through the
-    native layer loop to the default build's logits, bit for bit: a 40-token prompt (tile chunks of 14 and 13
-    rows), then an 8-token chain on its cache."""
+    native layer loop to the default build's logits, bit for bit: a 40-token prompt (three tile chunks of 14 rows,
+    the last padded), then an 8-token chain and a one-token step on its cache."""
     from swiftdecode.hub.load import locate_gguf
     from swiftdecode.runtime.cache import SwiftCache
     from swiftdecode.runtime.fastpath import accelerate
@@ -240,7 +240,7 @@ def test_the_amx_build_gives_a_whole_model_the_same_bits(smollm):
     for m in (smollm[0], model):
         sm = SwiftModel(m)
         cache = SwiftCache(sm.n_layers)
-        outs.append((sm.logits(sm.prefill(list(range(300, 340)), cache)), sm.logits(sm.prefill(list(range(8)), cache))))
+        outs.append([sm.logits(sm.prefill(ids, cache)) for ids in (list(range(300, 340)), list(range(8)), [9])])
     assert sm.layer_loop() == "native"
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 

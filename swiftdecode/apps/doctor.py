@@ -110,7 +110,7 @@ def weight_format(model) -> str:
     return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
-AMX_USABLE = "usable here: --fast-path skinny-amx runs products of 5+ rows on tiles (not yet the default)"
+AMX_USABLE = "usable here: --fast-path skinny-amx runs the quantized products on tiles (not yet the default)"
 # what csrc/roofline.cpp times per build
 INSTRUCTION = {"avx512": "vpdpbusd zmm", "amx": "tdpbsud tiles", "avxvnni": "vpdpbusd ymm", "avx2": "vpmaddubsw ymm"}
 

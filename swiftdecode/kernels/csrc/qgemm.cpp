@@ -524,8 +524,8 @@ static void tile_rows(const QW& w, const QX& x, const float* bias, float* y, int
 struct TileScratch;  // tiles are the AMX build's
 #endif
 
-// Every input row against one row tile: on tiles when `ts` is given (the AMX build, enough rows, this thread's
-// tiles configured); else up to UNROLLED_ROWS rows unrolled at compile time for their exact count
+// Every input row against one row tile: on tiles when `ts` is given (the AMX build, this thread's tiles
+// configured); else up to UNROLLED_ROWS rows unrolled at compile time for their exact count
 // (accumulators in registers), more in passes of up to RMAX rows that unpack each block once per pass.
 template <int F>
 static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M,
@@ -601,7 +601,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
                                             int nw, const float* xf, int64_t M, int nthreads) {
   const int64_t K = wds[0]->K, nb = K / 32, parts = (nb + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
 #if defined(SD_AMX)
-  const int rc = tile_chunk_rows(M);  // 0: the vector pass
+  const int rc = tile_chunk_rows(M);
   const TileConfig cfg = tile_config(rc);
   const int64_t rows_q = pad_rows(M, rc);  // tiles read whole chunks of codes
 #else
@@ -632,7 +632,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
     TileScratch* ts = nullptr;  // this thread's tiles, where it runs them
 #if defined(SD_AMX)
     TileScratch scratch;
-    if (rc && tile_configure(cfg)) {  // a thread whose tiles do not take the configuration runs vectors
+    if (tile_configure(cfg)) {  // a thread whose tiles do not take the configuration runs vectors
       memset(scratch.b, 0, sizeof scratch.b);
       scratch.rc = rc;
       ts = &scratch;
@@ -645,7 +645,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
         run_tile((int)wds[i]->fmt, w[i], x, biases[i], ys[i], g - first[i], M, ts);
       }
 #if defined(SD_AMX)
-    if (rc) tile_release();  // leaves no tile state to this thread's next user (torch's pool)
+    tile_release();  // leaves no tile state to this thread's next user (torch's pool)
 #endif
   }
 }

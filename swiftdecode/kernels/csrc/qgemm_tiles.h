@@ -12,10 +12,8 @@
 #pragma once
 #include "tiles.h"
 
-// Products of at least AMX_MIN_ROWS input rows run on tiles; fewer keep the vector pass, whose one-row decode
-// step is at the memory bound and whose 1-4 rows stay in registers. The threshold is not yet measured on an
-// AMX CPU (`doctor --builds` gives both curves there): 5 is where the vector pass turns to rolled passes.
-#define AMX_MIN_ROWS 5
+// Every product runs on tiles, one row included: the build exists to measure where tiles pay (`doctor --builds`
+// on an AMX CPU times its k-curve beside the AVX-512 build's), and no AMX CPU has measured it yet.
 #define TILE_CHUNKS (RMAX / TILE_ROWS)  // row chunks per pass, each its own A and C tiles
 static_assert(TILE_CHUNKS == 2, "the tile registers below hold two chunks");
 enum { T_A = 0, T_B0 = 2, T_B1 = 3, T_C = 4 };  // A chunk c: T_A + c; C chunk c, half h: T_C + 2c + h
@@ -38,15 +36,13 @@ static inline TileConfig tile_config(int rc) {
   return c;
 }
 
-// Rows per chunk for an M-row product (every chunk the same, so one configuration serves the call), 0 below
-// AMX_MIN_ROWS. The quantized input is padded to a whole number of chunks (pad_rows), zero codes whose sums
-// are never read.
+// Rows per chunk for an M-row product (every chunk the same, so one configuration serves the call; 1 for M = 0).
+// The quantized input is padded to a whole number of chunks (pad_rows), zero codes whose sums are never read.
 static inline int tile_chunk_rows(int64_t M) {
-  if (M < AMX_MIN_ROWS) return 0;
-  const int64_t chunks = (M + TILE_ROWS - 1) / TILE_ROWS;
-  return (int)((M + chunks - 1) / chunks);
+  const int64_t chunks = std::max<int64_t>(1, (M + TILE_ROWS - 1) / TILE_ROWS);
+  return (int)std::max<int64_t>(1, (M + chunks - 1) / chunks);
 }
-static inline int64_t pad_rows(int64_t M, int rc) { return rc ? (M + rc - 1) / rc * rc : M; }
+static inline int64_t pad_rows(int64_t M, int rc) { return (M + rc - 1) / rc * rc; }
 
 // B0 (and B1) = the unsigned codes of block tb of a row tile.
 template <int F>
