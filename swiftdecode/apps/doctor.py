@@ -116,10 +116,11 @@ INSTRUCTION = {"avx512": "vpdpbusd zmm", "amx": "tdpbsud tiles", "avxvnni": "vpd
 
 
 def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: float) -> dict | None:
-    """The bound of each k-row forward on quantized weights (None on float weights): memory ms (every weight
-    byte once at the copy bandwidth), compute ms (k rows x the weight products' MACs at the instruction's peak),
-    their max, and the forward's time over it; and the inner step's ms (k rows x each format's MACs at its inner
-    step's measured rate: a floor for the products that no overlap of streaming and compute can beat)."""
+    """The bound of each k-row forward on quantized weights (None on float weights, or where a timing loop did not
+    run): memory ms (every weight byte once at the copy bandwidth), compute ms (k rows x the weight products' MACs
+    at the instruction's peak), their max, and the forward's time over it; and the inner step's ms (k rows x each
+    format's MACs at its inner step's measured rate: a floor for the products that no overlap of streaming and
+    compute can beat)."""
     import torch
 
     from swiftdecode.kernels.modules import QuantLinear
@@ -129,13 +130,14 @@ def roofline(model, forward_ms: dict[int, float], nbytes: int, bandwidth_gbs: fl
         return None
     kernel, threads = next(iter(lins.values())).kernel, torch.get_num_threads()
     peak = kernel.peak_macs(threads)
-    if not peak:  # the instruction did not run (a thread's tiles refused their configuration)
-        return None
     by_fmt = Counter()  # weight format -> its products' MACs a row
     for m in lins.values():
         by_fmt[m.qweight.fmt] += m.qweight.n * m.qweight.k
+    rates = {fmt: kernel.loop_macs(fmt, threads) for fmt in by_fmt}
+    if not peak or not all(rates.values()):  # a loop did not run (a thread's tiles refused their configuration)
+        return None
     macs = sum(by_fmt.values())
-    step_s = sum(n / kernel.loop_macs(fmt, threads) for fmt, n in by_fmt.items())  # seconds per row
+    step_s = sum(n / rates[fmt] for fmt, n in by_fmt.items())  # seconds per row
     memory_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     compute_ms = {k: k * macs / peak * 1e3 for k in KS}
     bound = {k: max(memory_ms, compute_ms[k]) for k in KS}

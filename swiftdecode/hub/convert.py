@@ -38,9 +38,12 @@ LLAMA_KEYS = {
 
 
 def attention_for(config) -> str:
-    """The attention transformers builds a model of `config` with: SDPA, or eager where the model caps its scores
-    (Gemma 2: transformers refuses SDPA there). On the fast path our own attention replaces either."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    """The attention transformers builds a model of `config` with: SDPA, or eager where its model class refuses
+    SDPA (Gemma 2, whose scores are capped). On the fast path our own attention replaces either."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
 
 
 def read_meta(gguf: Path, progress: bool):
