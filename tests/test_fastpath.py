@@ -440,6 +440,19 @@ def test_doctor_times_every_build_of_the_quantized_kernel(smollm):
     assert all(set(f) == set(BUILD_KS) and min(f.values()) > 0 for f in b["forward_ms"].values())
     report = format_report(diagnose(model, "auto", context=8, repeats=1) | {"builds": b})
     assert all(name in report for name in runs) and "k=32" in report
+    assert ("amx / avx512" in report) == ({"skinny-amx", "skinny-avx512"} <= runs)
+
+
+def test_builds_table_sets_the_tile_build_beside_the_vector_build():
+    """Where both ran, `--builds` prints the AMX build's forwards over the AVX-512 build's, k by k."""
+    from swiftdecode.apps.doctor import BUILD_KS, builds_lines
+
+    ms = {"skinny-avx512": {k: 10.0 * k for k in BUILD_KS}, "skinny-amx": {k: 12.0 + 5.0 * k for k in BUILD_KS}}
+    row = next(line for line in builds_lines({"forward_ms": ms, "unavailable": {}}) if line.startswith("amx /"))
+    want = [f"{(12.0 + 5.0 * k) / (10.0 * k):.2f}x" for k in BUILD_KS]
+    assert row.split()[3:] == want
+    del ms["skinny-amx"]
+    assert not any(line.startswith("amx /") for line in builds_lines({"forward_ms": ms, "unavailable": {}}))
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512", "amx"])

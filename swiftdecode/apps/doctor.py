@@ -286,13 +286,17 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
 
 
 def builds_lines(b: dict) -> list[str]:
-    """`--builds`' table: each build's k-row forwards and their ratio to its one row; the builds that do not run."""
+    """`--builds`' table: each build's k-row forwards and their ratio to its one row; the AMX build's forwards over
+    the AVX-512 build's, where both ran (below 1 from the row count where tiles pay); the builds that do not run."""
     if not b:
         return ["builds:     none to compare: the model's weights are not quantized"]
+    ms = b["forward_ms"]
     lines = ["the quantized kernel's builds, whole forwards (k rows, and over one row):"]
     lines.append(f"{'build':<16}" + "".join(f"{f'k={k}':>16}" for k in BUILD_KS))
-    for name, f in b["forward_ms"].items():
+    for name, f in ms.items():
         lines.append(f"{name:<16}" + "".join(f"{f[k]:8.1f}ms {f[k] / f[1]:4.2f}x" for k in BUILD_KS))
+    if (tiles := ms.get("skinny-amx")) and (vectors := ms.get("skinny-avx512")):
+        lines.append(f"{'amx / avx512':<16}" + "".join(f"{tiles[k] / vectors[k]:15.2f}x" for k in BUILD_KS))
     return lines + [f"{f'skinny-{isa}':<16}not on this CPU: {why}" for isa, why in b["unavailable"].items()]
 
 

@@ -22,7 +22,7 @@ SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ISA_FLAGS = {"avx512": ["-DSD_AVX512", "-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}}
 # The float kernels have no integer dot products: a fast path naming the quantized kernel's AVX-VNNI build runs
-# their AVX2 build.
+# their AVX2 build, one naming its AMX build their AVX-512 build.
 FLOAT_BUILD_OF = {"avxvnni": "avx2", "amx": "avx512"}
 ATTN_HEADS = 4  # HB in csrc: query heads per attention work item; scratch is (HB + 1) * T floats per thread
 
