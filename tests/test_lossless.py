@@ -186,18 +186,9 @@ def test_activations_per_256_are_lossless_on_a_real_model():
 def test_the_amx_build_is_lossless_on_a_real_model(smollm):
     """The AMX build (tiles where the CPU has them, emulated elsewhere) on SmolLM2-135M's own GGUF blocks: every
     method token-identical to `ar`, and `ar` to the default build's `ar`, zero tolerance."""
-    from test_qgemm import kernels
+    from test_qgemm import amx_smollm
 
-    from swiftdecode.hub.load import locate_gguf
-    from swiftdecode.runtime.fastpath import accelerate
-    from swiftdecode.runtime.quantized import build
-
-    amx = next((k for k in kernels() if k.isa == "amx"), None)
-    if amx is None:
-        pytest.skip("no AMX build, real or emulated, runs on this CPU")
-    default, tok = smollm
-    model = build(*locate_gguf("smollm2-135m", progress=False), amx, False)
-    assert accelerate(model, "skinny-avx512").path == "skinny-amx"
+    (default, tok), model = smollm, amx_smollm()
     prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):"
     want = Generator(default, tok, method="ar").generate(prompt, max_new_tokens=24).token_ids
     for method in ("ar", "swift", "suffix", "skip-only"):

@@ -52,6 +52,25 @@ def kernels(act: int = ACT_DEFAULT):
     return out
 
 
+def amx_kernel(act: int = ACT_DEFAULT) -> QKernel:
+    """The AMX build (real tiles, else emulated), or a skip where neither runs."""
+    amx = next((k for k in kernels(act) if k.isa == "amx"), None)
+    if amx is None:
+        pytest.skip("no AMX build, real or emulated, runs on this CPU")
+    return amx
+
+
+def amx_smollm():
+    """SmolLM2-135M on its own GGUF blocks with the AMX build (`amx_kernel`) on the fast path."""
+    from swiftdecode.hub.load import locate_gguf
+    from swiftdecode.runtime.fastpath import accelerate
+    from swiftdecode.runtime.quantized import build as build_model
+
+    model = build_model(*locate_gguf("smollm2-135m", progress=False), amx_kernel(), False)
+    assert accelerate(model, "skinny-avx512").path == "skinny-amx"
+    return model
+
+
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """GGUF blocks [n, row bytes] with random codes and sane fp16 scales."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
@@ -225,18 +244,10 @@ def test_the_amx_build_gives_a_whole_model_the_same_bits(smollm):
     """The AMX build (tiles where the CPU has them, emulated elsewhere) runs a whole quantized model through the
     native layer loop to the default build's logits, bit for bit: a 40-token prompt (three tile chunks of 14 rows,
     the last padded), then an 8-token chain and a one-token step on its cache."""
-    from swiftdecode.hub.load import locate_gguf
     from swiftdecode.runtime.cache import SwiftCache
-    from swiftdecode.runtime.fastpath import accelerate
     from swiftdecode.runtime.model import SwiftModel
-    from swiftdecode.runtime.quantized import build as build_model
 
-    amx = next((k for k in kernels() if k.isa == "amx"), None)
-    if amx is None:
-        pytest.skip("no AMX build, real or emulated, runs on this CPU")
-    model = build_model(*locate_gguf("smollm2-135m", progress=False), amx, False)
-    assert accelerate(model, "skinny-avx512").path == "skinny-amx"
-    outs = []
+    model, outs = amx_smollm(), []
     for m in (smollm[0], model):
         sm = SwiftModel(m)
         cache = SwiftCache(sm.n_layers)
@@ -251,8 +262,6 @@ def test_the_amx_builds_timing_loops_run_on_tiles():
     emulator's rates, which say nothing of the hardware's)."""
     from swiftdecode.kernels.qweight import FORMATS
 
-    amx = next((k for k in kernels() if k.isa == "amx"), None)
-    if amx is None:
-        pytest.skip("no AMX build, real or emulated, runs on this CPU")
+    amx = amx_kernel()
     assert amx.peak_macs(2, reps=16, tries=1) > 0
     assert all(amx.loop_macs(fmt, 2, reps=4, tries=1) > 0 for fmt, _, _ in FORMATS.values())

@@ -6,9 +6,9 @@ One library per ISA, chosen by CPU features at run time: `avx512` (AVX-512 BW + 
 vpdpbusd on ymm, Intel client CPUs without AVX-512) or `avx2` (AVX2 + FMA + F16C), and per activation
 quantization (int8 scales per 32 or per 256 values). The ISA builds return bit-identical results (integer dot
 products, one fixed float sequence per output; see the source), so a model's numerics do not depend on the
-machine's SIMD width. `amx` is the AVX-512 build whose products of several rows take their dot products on
-AMX-INT8 tiles (csrc/qgemm_tiles.h), the same bits again; it runs only where asked for (`--fast-path
-skinny-amx`) until its speed is measured on an AMX CPU.
+machine's SIMD width. `amx` is the AVX-512 build whose products take their dot products on AMX-INT8 tiles
+(csrc/qgemm_tiles.h), the same bits again; it runs only where asked for (`--fast-path skinny-amx`) until its
+speed is measured on an AMX CPU.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import swiftdecode
     from swiftdecode.apps.evaluate.corpus import corpus_text, windows
     from swiftdecode.apps.evaluate.fidelity import ReferenceStore, evaluate, fill
     from swiftdecode.apps.pull_cli import load_model
@@ -63,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reference == "fp32":
         store = ReferenceStore(cache, f"{args.model}-fp32-torch-{torch.__version__}", wins)  # torch's numerics
         if store.missing(len(wins)):
-            ref, _ = swiftdecode.load(
-                args.model, cache_dir=args.cache_dir, fast_path="torch", weights="fp32", progress=progress
-            )
+            ref, _ = load_model(args, fast_path="torch", weights="fp32", progress=progress)
             fill(SwiftModel(ref), wins, store, progress)
             del ref
             gc.collect()

@@ -2,10 +2,10 @@
 // `doctor`'s roofline: how far a k-row forward is from what the instruction alone would allow.
 //
 // AVX-512 build: vpdpbusd zmm (64 u8 x s8 products summed into 16 int32 lanes); AVX-VNNI build: vpdpbusd ymm;
-// AMX build: tdpbsud on full tiles (16 x 16 x 64 products).
-// AVX2 build: vpmaddubsw ymm (32 u8 x s8 products summed in pairs to 16 int16 lanes; the kernel then adds those
-// in int16 and widens once per chunk, instructions that run beside it on other ports). CHAINS independent accumulators keep the unit busy
-// past the instruction's latency; each thread of the OpenMP team runs its own, so the result is the team's rate.
+// AMX build: tdpbsud on full tiles (16 x 16 x 64 products). AVX2 build: vpmaddubsw ymm (32 u8 x s8 products
+// summed in pairs to 16 int16 lanes; the kernel then adds those in int16 and widens once per chunk, instructions
+// that run beside it on other ports). CHAINS independent accumulators keep the unit busy past the instruction's
+// latency; each thread of the OpenMP team runs its own, so the result is the team's rate.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>

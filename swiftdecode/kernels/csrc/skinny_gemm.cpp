@@ -541,12 +541,9 @@ static void attend_row(const float* const* qr, const KV* kh, int64_t k_st, const
   if (cap > 0.0f)  // soft-capped scores (visible keys' masks are 0): capped in place, lane-wise, then their max
     for (int h = 0; h < HN; ++h) {
       float* sh = s + h * T;
-      int64_t i = 0;
-      for (; i + VW <= nv; i += VW) vstore(sh + i, vsoftcap(vload(sh + i), cap));
-      if (i < nv) {
-        float tmp[VW];
-        vstore(tmp, vsoftcap(vload_tail(sh + i, (int)(nv - i)), cap));
-        for (int64_t j = i; j < nv; ++j) sh[j] = tmp[j - i];
+      for (int64_t i = 0; i < nv; i += VW) {
+        const int w = nv - i < VW ? (int)(nv - i) : VW;
+        vstore_tail(sh + i, vsoftcap(vload_tail(sh + i, w), cap), w);
       }
       mx[h] = -INFINITY;
       for (int64_t j = 0; j < nv; ++j) mx[h] = sh[j] > mx[h] ? sh[j] : mx[h];
@@ -767,7 +764,6 @@ extern "C" void SD_EXPORT(sd_rmsnorm, SD_ISA)(const float* x, const float* w, fl
     }
   }
 }
-
 
 // g <- act(g) * u over n values, lane by lane (each value depends on its own inputs only): SiLU's g * sigmoid(g),
 // or GeLU's tanh approximation (Gemma's gelu_pytorch_tanh), 0.5 g (1 + tanh(y)) = g * sigmoid(2y) with
