@@ -120,3 +120,21 @@ def teacher_forced_rows(gen, prompt: str, answer: list[int]):
     ids = gen.chat_ids([{"role": "user", "content": prompt}])
     hidden = gen.sm.prefill(ids + answer, SwiftCache(gen.sm.n_layers))
     return gen.sm.logits(hidden[len(ids) - 1 :]), ids
+
+
+# the shapes whose architectures run natively (the Gemmas' windows, 16 tokens, are shorter than the tests' contexts)
+NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3", "tiny-smollm3", "tiny-gemma3", "tiny-gemma2")
+
+
+@pytest.fixture(scope="session", params=NATIVE)
+def tiny(request, tmp_path_factory):
+    """(shape name, model folder, GGUF file, (model, tokenizer) on our path) of a tiny random-weight model."""
+    import swiftdecode
+    from swiftdecode.hub import locate_gguf
+    from swiftdecode.hub.synth import write
+
+    folder = tmp_path_factory.mktemp(request.param)
+    path = write(request.param, folder / "model.gguf", tokenizer_from=locate_gguf("smollm2-135m", progress=False)[0])
+    loaded = swiftdecode.load(str(path), cache_dir=str(folder / "cache"), progress=False)
+    entry = locate_gguf(str(path), cache_dir=str(folder / "cache"), progress=False)[1]
+    return request.param, entry, path, loaded

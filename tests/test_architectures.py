@@ -12,8 +12,6 @@ from swiftdecode import Generator
 from swiftdecode.runtime.cache import SwiftCache
 from swiftdecode.runtime.model import SwiftModel
 
-# the shapes whose architectures run natively (the Gemmas' windows, 16 tokens, are shorter than the tests' contexts)
-NATIVE = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-phi3", "tiny-smollm3", "tiny-gemma3", "tiny-gemma2")
 # Our forward quantizes each row's activations to int8 per 32 values (as llama.cpp does); transformers dequantizes
 # the same blocks to float32 and multiplies in float32. On these files (logits' standard deviation ~0.32) the mean
 # difference measured 0.7-1.4% of that spread and the largest 5-14%: the bounds leave room for the seeds' spread.
@@ -22,20 +20,6 @@ CLEAR_MARGIN = 0.1  # positions whose HF top token leads the next by this (x std
 # On the same float32 weights only the order of float operations differs: measured max 4e-6 to 7e-6 of the spread.
 FLOAT_TOLERANCE = 1e-4  # |ours - HF| max over the logits' standard deviation, lean loop on float32 weights
 F32 = torch.float32
-
-
-@pytest.fixture(scope="module", params=NATIVE)
-def tiny(request, tmp_path_factory):
-    """(shape name, model folder, GGUF file, (model, tokenizer) on our path) of a tiny random-weight model."""
-    import swiftdecode
-    from swiftdecode.hub import locate_gguf
-    from swiftdecode.hub.synth import write
-
-    folder = tmp_path_factory.mktemp(request.param)
-    path = write(request.param, folder / "model.gguf", tokenizer_from=locate_gguf("smollm2-135m", progress=False)[0])
-    loaded = swiftdecode.load(str(path), cache_dir=str(folder / "cache"), progress=False)
-    entry = locate_gguf(str(path), cache_dir=str(folder / "cache"), progress=False)[1]
-    return request.param, entry, path, loaded
 
 
 def reference_model(path, config) -> torch.nn.Module:

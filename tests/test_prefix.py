@@ -17,10 +17,8 @@ def filled(tokens: list[int], layers: int = 2) -> SwiftCache:
     """A cache whose entry i holds keys/values that are a function of tokens[i] (stands for a prefill), in
     buffers of exactly len(tokens) entries (a store counts whole buffers)."""
     cache = SwiftCache(layers, limit=len(tokens))
-    t = torch.tensor(tokens, dtype=torch.float32)
-    cache.extend(
-        [(t.view(1, 1, -1, 1).expand(1, 2, -1, 4) + i, -t.view(1, 1, -1, 1).expand(1, 2, -1, 4)) for i in range(layers)]
-    )
+    t = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1).expand(1, 2, -1, 4)
+    cache.extend([(0, t + i, -t) for i in range(layers)])
     return cache
 
 

@@ -118,7 +118,7 @@ class Request:
         stop: list[str] | None,
         eos: set[int],
         decode,
-        layers: int,
+        layers: list[int | None],
         top_logprobs: int | None = None,
         salt: str | None = None,
     ):

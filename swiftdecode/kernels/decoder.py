@@ -43,9 +43,10 @@ class _Seq(ctypes.Structure):
 
 
 class KVEntry(ctypes.Structure):
-    """csrc DecKV: one (sequence, layer) cache buffer's keys/values addresses, head stride and filled length."""
+    """csrc DecKV: one (sequence, layer) cache buffer's keys/values addresses, head stride, filled length and its
+    first entry held (entry t at slot t − first)."""
 
-    _fields_ = [("k", _P), ("v", _P), ("head_stride", _I), ("length", _I)]
+    _fields_ = [("k", _P), ("v", _P), ("head_stride", _I), ("length", _I), ("first", _I)]
 
 
 @dataclass(frozen=True)

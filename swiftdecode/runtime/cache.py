@@ -1,27 +1,45 @@
 """KV cache over preallocated buffers, with the two operations speculative decoding needs: truncate and keep.
 
-Every layer holds keys/values of shape [batch, heads, capacity, head_dim]; `keys`/`values` are views of the first
-`length` slots. Layers may differ in length while a draft skips their attention; `truncate` brings them back.
-A cache's per-layer buffer addresses and lengths live in one native table (`SwiftCache.table`), which the native
-layer loop reads and advances itself: a forward costs no Python work per layer.
+Every layer holds keys/values of shape [batch, heads, capacity, head_dim]; `keys`/`values` are views of the
+entries it holds. Layers may differ in length while a draft skips their attention; `truncate` brings them back.
+A sliding-window layer (given its window) holds only its last entries: when its buffer is full it drops those
+more than window + WINDOW_SLACK entries behind its end, so its memory stays bounded however long the context;
+`first` is the first entry it still holds (entry t sits at buffer slot t − first). A cache's per-layer buffer
+addresses and lengths live in one native table (`SwiftCache.table`), which the native layer loop reads and
+advances itself: a forward costs no Python work per layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from swiftdecode.kernels.decoder import KVEntry
 
+# Entries a sliding-window layer keeps beyond its window. Forwards re-read positions behind the cache's end: a
+# draft's chain is rolled back (up to its depth, 8), the skip search scores its 32-position window again
+# (`tuner.matchness`); each needs the keys a window behind its first row. `SwiftCache.check_window` stops a
+# forward that would need a dropped key.
+WINDOW_SLACK = 256
+
+
+def most_held(window: int | None) -> int | None:
+    """The most entries a layer's buffer holds (beyond what one append needs): None (all) for a layer without a
+    window, a sliding layer's 2 × (window + WINDOW_SLACK) (full, it drops to window + WINDOW_SLACK)."""
+    return None if window is None else 2 * (window + WINDOW_SLACK)
+
 
 def _filled(buffer: str) -> property:
-    """A read-only view of the filled part of buffer `buffer` ([..., :length, :]), taken when read: lengths change
-    every step (per layer, ~60 times a forward on small models) and most steps never read the views (the native
-    layer loop). transformers' layer base class clears keys/values by assigning None, which is all it may set."""
+    """A read-only view of the filled part of buffer `buffer` ([..., :length − first, :]), taken when read: lengths
+    change every step (per layer, ~60 times a forward on small models) and most steps never read the views (the
+    native layer loop). transformers' layer base class clears keys/values by assigning None, which is all it may
+    set."""
 
     def get(self) -> torch.Tensor | None:
         buf = getattr(self, buffer)
-        return buf[:, :, : self.length] if buf is not None else None
+        return buf[:, :, : self.length - self.first] if buf is not None else None
 
     def set_(self, value) -> None:
         if value is not None:
@@ -32,14 +50,17 @@ def _filled(buffer: str) -> property:
 
 class BufferLayer(DynamicLayer):
     """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
-    unless an append needs more; appends copy only the new entries."""
+    unless an append needs more; appends copy only the new entries. With a `window` (a sliding-window layer), a full
+    buffer first drops the entries more than `retain` (window + WINDOW_SLACK) behind the end, and grows no further
+    than 2 × retain (`most_held`)."""
 
-    def __init__(self, limit: int | None, entry: KVEntry):
-        self.entry = entry  # buffer addresses, head stride and length, in its cache's native table
+    def __init__(self, limit: int | None, entry: KVEntry, window: int | None = None):
+        self.entry = entry  # buffer addresses, head stride, length and first entry, in its cache's native table
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         super().__init__()
-        self.limit = limit
+        self.limit, self.window = limit, window
+        self.retain = None if window is None else window + WINDOW_SLACK  # entries kept behind the end when dropping
 
     @property
     def length(self) -> int:
@@ -48,6 +69,10 @@ class BufferLayer(DynamicLayer):
     @length.setter
     def length(self, n: int) -> None:
         self.entry.length = n
+
+    @property
+    def first(self) -> int:
+        return self.entry.first
 
     @property
     def capacity(self) -> int:
@@ -67,28 +92,41 @@ class BufferLayer(DynamicLayer):
         self._k = torch.empty((*lead, n, dim), dtype=dtype, device=device)
         self._v = torch.empty((*lead, n, dim), dtype=dtype, device=device)
         self._bind()
-        self.length = 0
+        self.length, self.entry.first = 0, 0
         self.is_initialized = True
 
     keys = _filled("_k")
     values = _filled("_v")
 
     def _room(self, end: int) -> None:
-        """Grow the buffers to hold `end` entries (doubling, capped at `limit` unless `end` needs more)."""
-        if end > self._k.shape[2]:
-            doubled = 2 * self._k.shape[2] if self.limit is None else min(2 * self._k.shape[2], self.limit)
-            grow = max(end, doubled) - self._k.shape[2]
+        """Room for the entries up to `end`: drop those more than `retain` behind the end where the buffer is full
+        (a sliding layer), then grow (doubling, capped at `limit` and `most_held` unless `end` needs more)."""
+        if end - self.first <= self.capacity:
+            return
+        if self.retain is not None and self.length - self.retain > self.first:
+            self._drop_to(self.length - self.retain)
+        if end - self.first > self.capacity:
+            doubled = min([2 * self.capacity, *(c for c in (self.limit, most_held(self.window)) if c)])
+            grow = max(end - self.first, doubled) - self.capacity
             self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], 2)
             self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], 2)
             self._bind()
+
+    def _drop_to(self, first: int) -> None:
+        """Drop the entries before `first`: the rest move to the buffer's start."""
+        kept = slice(first - self.first, self.length - self.first)
+        n = kept.stop - kept.start
+        self._k[:, :, :n] = self._k[:, :, kept].clone()
+        self._v[:, :, :n] = self._v[:, :, kept].clone()
+        self.entry.first = first
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         self._room(end)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
+        self._k[:, :, self.length - self.first : end - self.first] = key_states
+        self._v[:, :, self.length - self.first : end - self.first] = value_states
         self.length = end
         return self.keys, self.values
 
@@ -110,6 +148,10 @@ class BufferLayer(DynamicLayer):
 
     def truncate(self, length: int) -> None:
         if self.is_initialized and length < self.length:
+            if length < self.first:
+                raise ValueError(
+                    f"entries before {self.first} were dropped (sliding window): cannot truncate to {length}"
+                )
             self.length = max(length, 0)
 
     @torch.inference_mode()
@@ -117,21 +159,24 @@ class BufferLayer(DynamicLayer):
         """Keep entries start+index (ascending) at start..start+len(index)-1; drop everything after."""
         if not self.is_initialized:
             return
-        src = start + index
-        self._k[:, :, start : start + len(index)] = self._k[:, :, src]
-        self._v[:, :, start : start + len(index)] = self._v[:, :, src]
+        src, at = start - self.first + index, start - self.first
+        self._k[:, :, at : at + len(index)] = self._k[:, :, src]
+        self._v[:, :, at : at + len(index)] = self._v[:, :, src]
         self.length = start + len(index)
 
 
 class SwiftCache(Cache):
-    """Cache for one sequence. `length` is layer 0's length (layer 0 is never skipped). `limit`: the most
-    entries a layer's buffer grows to (beyond it only as appends require), so memory stays within a bound known
-    up front."""
+    """Cache for one sequence. `length` is layer 0's length (layer 0 is never skipped). `layers`: the number of
+    layers, or each layer's sliding window (None: it keeps every entry; a window: it may drop keys more than
+    window + WINDOW_SLACK entries behind its end). `limit`: the most entries a layer's buffer grows to (beyond it
+    only as appends require), so memory stays within a bound known up front."""
 
-    def __init__(self, num_layers: int, limit: int | None = None):
-        self.table = (KVEntry * num_layers)()  # the layers' native entries, in layer order
-        super().__init__(layers=[BufferLayer(limit, self.table[i]) for i in range(num_layers)])
-        self._min_capacity = 0  # every layer's buffer holds at least this many entries (buffers only grow)
+    def __init__(self, layers: int | Sequence[int | None], limit: int | None = None):
+        windows = [None] * layers if isinstance(layers, int) else list(layers)
+        self.table = (KVEntry * len(windows))()  # the layers' native entries, in layer order
+        super().__init__(layers=[BufferLayer(limit, self.table[i], w) for i, w in enumerate(windows)])
+        self.windows = windows
+        self._room_until = 0  # every layer's buffer has room up to this entry (until one drops or grows)
 
     @property
     def length(self) -> int:
@@ -145,21 +190,39 @@ class SwiftCache(Cache):
     def reserve(self, n: int, heads: int, dim: int, dtype: torch.dtype) -> None:
         """Room for n more entries in every layer (each at most layer 0's length) for the native layer loop;
         O(1) while the buffers have room."""
-        if self.length + n > self._min_capacity:
+        if self.length + n > self._room_until:
             for layer in self.layers:
                 layer.reserve(n, heads, dim, dtype)
-            self._min_capacity = min(layer.capacity for layer in self.layers)
+            self._room_until = min(layer.first + layer.capacity for layer in self.layers)
 
-    def entries(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's first n keys and values ([batch, heads, n, dim] each; every layer holds ≥ n), as views of
-        its buffers, not copies: valid while the cache is not written again (a finished request's)."""
+    def check_window(self, position: int) -> None:
+        """Raise unless each sliding layer still holds the keys a row at `position` (the lowest of a forward's
+        rows) attends to: those less than its window behind."""
+        for layer, window in zip(self.layers, self.windows, strict=True):
+            if window is not None and layer.first > max(position - window + 1, 0):
+                raise RuntimeError(
+                    f"a row at position {position} needs keys from {position - window + 1}, but its sliding-window "
+                    f"layer dropped those before {layer.first} (more than WINDOW_SLACK behind the cache's end)"
+                )
+
+    def entries(self, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Every layer's first entry held and its keys and values up to entry n ([batch, heads, n − first, dim]
+        each; every layer holds ≥ n), as views of its buffers, not copies: valid while the cache is not written
+        again (a finished request's)."""
         if any(layer.get_seq_length() < n for layer in self.layers):
             raise ValueError(f"a layer holds fewer than {n} entries")
-        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
+        return [(la.first, la.keys[:, :, : n - la.first], la.values[:, :, : n - la.first]) for la in self.layers]
 
-    def extend(self, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append each layer's keys and values (as `entries` returns them) after its entries."""
-        for layer, (k, v) in zip(self.layers, entries, strict=True):
+    def extend(self, entries: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Append each layer's entries (as `entries` returns them: from entry `first` on) after its own; an empty
+        layer takes them from `first` on, else `first` must be its length."""
+        for layer, (first, k, v) in zip(self.layers, entries, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            if layer.length == 0:
+                layer.length, layer.entry.first = first, first
+            elif first != layer.length:
+                raise ValueError(f"entries from {first} cannot follow a layer's {layer.length}")
             layer.update(k, v)
 
     def truncate(self, length: int) -> None:

@@ -120,6 +120,9 @@ class LeanDecoder:
         x = self.base.embed_tokens(ids).contiguous()
         tables = [rotary(self.base.rotary_emb, x, positions, kind) for kind in self.kinds]
         masks = [(m, windowed(m, p, self.window) if self.window else None) for m, p in _per_sequence(masks, positions)]
+        if self.window:
+            for cache, rows in zip(caches, positions.split([len(m) for m, _ in masks]), strict=True):
+                cache.check_window(int(rows.min()))
         fused = self._native(kernel) if observe is None else None
         if fused is not None:
             self._run_native(fused, x, tables, masks, caches, skip, kernel)
@@ -164,6 +167,7 @@ class LeanDecoder:
             for kj, vj, cache in zip(k.split(sizes), v.split(sizes), caches, strict=True)
         ]
         keys, values = [k[0] for k, _ in kv], [v[0] for _, v in kv]
+        masks = [m[:, c.layers[i].first :] for m, c in zip(masks, caches, strict=True)]  # keys held from `first` on
         out = kernel.attention_many(q, keys, values, masks, sizes, self.scale, self.softcap)
         return attn.o_proj(out.reshape(rows, -1))
 

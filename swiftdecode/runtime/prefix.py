@@ -16,7 +16,7 @@ import torch
 
 from swiftdecode.runtime.cache import SwiftCache
 
-Entries = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, heads, n, dim]
+Entries = list[tuple[int, torch.Tensor, torch.Tensor]]  # per layer: first entry held, keys, values (SwiftCache.entries)
 
 
 class PrefixStore:
@@ -27,7 +27,8 @@ class PrefixStore:
 
     def __init__(self, budget: int):
         self.budget, self.bytes = budget, 0
-        self.seqs: OrderedDict[int, tuple[np.ndarray, Entries, int]] = OrderedDict()  # tokens, entries, bytes
+        # tokens, entries, bytes, and the shortest prefix they serve (a sliding layer's window must reach its first)
+        self.seqs: OrderedDict[int, tuple[np.ndarray, Entries, int, int]] = OrderedDict()
         self.salts: dict[int, str | None] = {}  # key -> the salt of its sequence
         self._next = 0
 
@@ -35,16 +36,16 @@ class PrefixStore:
         return len(self.seqs)
 
     def match(self, ids: list[int], salt: str | None = None) -> tuple[int | None, int]:
-        """The stored sequence of `salt` sharing the longest prefix with `ids`, and that length; at most
-        len(ids) - 1, as the prompt's last token must be computed for its logits."""
+        """The stored sequence of `salt` sharing the longest prefix with `ids` that it can serve, and that length;
+        at most len(ids) - 1, as the prompt's last token must be computed for its logits."""
         want, best = np.asarray(ids[:-1], dtype=np.int64), (None, 0)
-        for key, (tokens, _, _) in self.seqs.items():
+        for key, (tokens, _, _, floor) in self.seqs.items():
             if self.salts[key] != salt:
                 continue
             n = min(len(tokens), len(want))
             differ = np.flatnonzero(tokens[:n] != want[:n])
             shared = int(differ[0]) if len(differ) else n
-            if shared > best[1]:
+            if shared > best[1] and shared >= floor:
                 best = (key, shared)
         return best
 
@@ -55,7 +56,7 @@ class PrefixStore:
         if key is None:
             return 0
         self.seqs.move_to_end(key)
-        cache.extend([(k[:, :, :n], v[:, :, :n]) for k, v in self.seqs[key][1]])
+        cache.extend([(first, k[:, :, : n - first], v[:, :, : n - first]) for first, k, v in self.seqs[key][1]])
         return n
 
     def save(self, tokens: list[int], cache: SwiftCache, salt: str | None = None) -> None:
@@ -66,7 +67,7 @@ class PrefixStore:
         if not self.budget:
             return
         new = np.asarray(tokens, dtype=np.int64)
-        for key, (old, _, _) in list(self.seqs.items()):
+        for key, (old, *_) in list(self.seqs.items()):
             n = min(len(old), len(new))
             if self.salts[key] == salt and np.array_equal(old[:n], new[:n]):
                 if len(old) >= len(new):
@@ -74,10 +75,11 @@ class PrefixStore:
                     return
                 self._drop(key)
         entries = cache.entries(len(new))
-        size = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in entries)
+        size = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for _, k, v in entries)
         if size > self.budget:
             return
-        self.seqs[self._next], self.salts[self._next], self._next = (new, entries, size), salt, self._next + 1
+        floor = max((first + w - 1 for (first, *_), w in zip(entries, cache.windows, strict=True) if first), default=0)
+        self.seqs[self._next], self.salts[self._next], self._next = (new, entries, size, floor), salt, self._next + 1
         self.bytes += size
         while self.bytes > self.budget:
             self._drop(next(iter(self.seqs)))

@@ -131,8 +131,8 @@ class Running:
 
         self.gen, self.metrics, self.lock, self.timeout_s = gen, metrics, lock, timeout_s
         self.jobs: dict[object, Job] = {}  # Request -> its job, in the order they started
-        per_token, exact = gen.kv_cost()  # exact: a dropped cache is recomputed exactly, so reservations may grow
-        self.reserved = Reservations(int(kv_gb * 2**30), per_token, exact, lock)
+        cost, exact = gen.kv_cost()  # exact: a dropped cache is recomputed exactly, so reservations may grow
+        self.reserved = Reservations(int(kv_gb * 2**30), cost, exact, lock)
         self.batch = Batch(gen)
         self.starved, self.waiting = set(), set()  # last round: could not grow their KV; sat out (or a slow reader)
 
@@ -157,7 +157,7 @@ class Running:
             self.release(job)  # a prompt being scored held its entries since the last call
             if job.echo and waits_to_score(job, self.batch):
                 return SCORING
-            if self.reserved and (entries > self.reserved.free() or self.starved):  # the running ones grow first
+            if self.reserved and (not self.reserved.fits(entries) or self.starved):  # the running ones grow first
                 return False
             if job.echo and (answered := score(self.gen, job, self.metrics, self.batch)) is not False:
                 if answered is None:  # more to score: one of its choices' jobs holds the entries meanwhile

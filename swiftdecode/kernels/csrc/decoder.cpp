@@ -60,10 +60,12 @@ struct DecSeq {  // a sequence's rows [row0, row0 + rows) and its additive masks
   const float* mask_local;  // the sliding layers' (keys a window or more positions back hidden too), or null
 };
 
-struct DecKV {  // a (sequence, layer) cache buffer: keys/values [kv_heads, capacity, D], `length` filled
+// A (sequence, layer) cache buffer: keys/values [kv_heads, capacity, D] holding the entries first .. length - 1
+// (a sliding layer's buffer drops entries a window behind: runtime/cache.py), entry t at buffer slot t - first.
+struct DecKV {
   void* k;  // fp32, or fp16 bits (DecConfig.kv_half)
   void* v;
-  int64_t head_stride, length;
+  int64_t head_stride, length, first;
 };
 
 // n values into the cache: copied, or rounded to fp16 (to nearest even, as torch's .half() rounds).
@@ -121,7 +123,8 @@ static void rotate(const DecConfig& c, const DecOps& ops, float* x, const float*
 
 // Appends each sequence's new keys/values to its cache (advancing the entry's length) and runs attention of all
 // rows (a sliding layer's under the sequences' windowed masks); q [R, heads * D] in, att [R, heads * D] out.
-// kv[j][l]: sequence j's entry of this layer l.
+// kv[j][l]: sequence j's entry of this layer l. Attention sees the buffer's entries under the mask's columns from
+// `first` on (the mask hides every entry before it: a sliding layer drops only keys beyond its window).
 static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, int64_t nseq, DecKV* const* kv,
                    int64_t l, bool sliding, const float* q, const float* k, const float* v, float* att, float* scratch,
                    int nthreads) {
@@ -136,13 +139,13 @@ static void attend(const DecConfig& c, const DecOps& ops, const DecSeq* seqs, in
     const DecSeq& s = seqs[j];
     for (int64_t r = 0; r < s.rows; r++)
       for (int64_t g = 0; g < c.kv_heads; g++) {
-        const int64_t src = (s.row0 + r) * KD + g * D, dst = g * e.head_stride + (e.length + r) * D;
+        const int64_t src = (s.row0 + r) * KD + g * D, dst = g * e.head_stride + (e.length - e.first + r) * D;
         store_kv((char*)e.k + dst * elem, k + src, D, c.kv_half);
         store_kv((char*)e.v + dst * elem, v + src, D, c.kv_half);
       }
-    ks[j] = e.k, vs[j] = e.v, masks[j] = sliding ? s.mask_local : s.mask;
-    const int64_t t = e.length + s.rows;
-    e.length = t;
+    ks[j] = e.k, vs[j] = e.v, masks[j] = (sliding ? s.mask_local : s.mask) + e.first;
+    e.length += s.rows;
+    const int64_t t = e.length - e.first;
     int64_t* d = dims.data() + 5 * j;
     d[0] = s.rows, d[1] = t, d[2] = e.head_stride, d[3] = s.mask_stride, d[4] = s.row0;
     max_t = std::max(max_t, t);
