@@ -217,7 +217,7 @@ def test_the_choices_of_a_request_encode_its_prompt_once(smollm):
 def test_echo_scoring_is_inside_the_kv_budget(gen):
     """Scoring a prompt (echo with logprobs) needs its KV cache: a prompt that does not fit is a 413, not a
     forward outside the budget (max_tokens 0 used to skip the check)."""
-    per_token = gen.sm.kv_bytes_per_token()
+    per_token = gen.sm.kv_layout().bytes(1)
     with serving(create_app(gen, MODEL, kv_gb=200 * per_token / 2**30)) as base:
         body = {"model": MODEL, "prompt": "one two three four five six seven", "echo": True, "logprobs": 1}
         assert post(base, "/v1/completions", {**body, "max_tokens": 0}, None).status_code == 200
@@ -274,7 +274,7 @@ def test_echoes_waiting_their_turn_to_be_scored_hold_no_room(gen):
     short = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
     entries = len(first) + 2 * ROUND_SLACK + 64  # one echo's prompt, and room for the short request
     echo = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 0}
-    with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_bytes_per_token() / 2**30)) as base:
+    with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_layout().bytes(1) / 2**30)) as base:
         with ThreadPoolExecutor(2) as pool:
             one = pool.submit(post, base, "/v1/completions", {**echo, "prompt": first}, None)
             while metrics(base)["swiftdecode_kv_reserved_bytes"] == 0:  # the first echo is being scored
@@ -505,7 +505,7 @@ def test_kv_reservations_grow_and_an_evicted_request_resumes_exactly(gen):
     prompts, body = ["The sky is", "Water boils at", "1, 2, 3,"], {"model": MODEL, "max_tokens": 60, "temperature": 0}
     solo = [gen.generate(p, max_new_tokens=60, cache_salt="solo").text for p in prompts]
     entries = 1.5 * (8 + 60 + 128)  # one request's prompt, max_tokens and round's slack, and half another's
-    with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_bytes_per_token() / 2**30)) as base:
+    with serving(create_app(gen, MODEL, kv_gb=entries * gen.sm.kv_layout().bytes(1) / 2**30)) as base:
         with ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(lambda p: post(base, "/v1/completions", {**body, "prompt": p}, None), prompts))
         assert [r.json()["choices"][0]["text"] for r in outs] == solo
@@ -524,7 +524,7 @@ def test_a_chat_without_max_tokens_reserves_what_it_holds(gen, url):
         for _ in range(8):  # a few chunks in: it is decoding
             next(lines)
         reserved = metrics(url)["swiftdecode_kv_reserved_bytes"]
-    assert 0 < reserved < gen.sm.kv_bytes_per_token() * gen.sm.max_length / 16
+    assert 0 < reserved < gen.sm.kv_layout().bytes(1) * gen.sm.max_length / 16
     idle(url)  # closing the stream cancelled it
 
 

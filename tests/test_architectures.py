@@ -235,6 +235,17 @@ def test_float32_weights_keep_what_the_gguf_reader_drops(tiny):
     assert all(getattr(f32.config, f, None) == getattr(model.config, f, None) for f in fields), name
 
 
+@pytest.mark.parametrize("tiny", ["tiny-gemma3"], indirect=True)
+def test_gemma3_global_layers_scale_their_rotary_by_the_files_factor(tiny):
+    """Gemma 3 4B and up: the file's linear factor (which transformers' GGUF reader drops) divides the global
+    layers' frequencies, as llama.cpp's frequency scale does; the sliding layers' keep their own base."""
+    _, _, _, (model, _) = tiny
+    rope, dim = model.model.rotary_emb, model.config.head_dim
+    base = lambda theta: 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    torch.testing.assert_close(rope.full_attention_inv_freq, base(1e6) / 8)
+    torch.testing.assert_close(rope.sliding_attention_inv_freq, base(1e4))
+
+
 @pytest.mark.parametrize("tiny", ["tiny-smollm3"], indirect=True)
 def test_smollm3_layers_without_rotary_are_llama_cpps(tiny):
     """SmolLM3's every 4th layer has no rotary (llama.cpp fixes it: (il + 1) % 4 == 0, no GGUF key), and its q/k

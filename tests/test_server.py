@@ -576,7 +576,7 @@ def test_request_timeout_ends_a_long_generation_with_504(gen):
 def test_kv_budget_queues_what_does_not_fit_and_rejects_what_never_can(gen):
     """--max-kv-gb: requests reserve prompt + max_tokens of KV cache; two that do not fit together run one after
     the other (both exact), one that can never fit gets 413 at once."""
-    per_request = (8 + 60 + 128) * gen.sm.kv_bytes_per_token()  # prompt, max_tokens, a round's slack
+    per_request = (8 + 60 + 128) * gen.sm.kv_layout().bytes(1)  # prompt, max_tokens, a round's slack
     with serving(create_app(gen, MODEL, kv_gb=1.5 * per_request / 2**30)) as url, ThreadPoolExecutor(2) as pool:
         body = {"model": MODEL, "max_tokens": 60, "temperature": 0}
         prompts = ["The sky is", "Water boils at"]

@@ -78,7 +78,7 @@ def test_sliding_layers_hold_a_bounded_window_with_the_bits_of_a_full_cache(tiny
     cache that keeps every entry, and each sliding layer's buffer stays within 2 × (window + WINDOW_SLACK)."""
     name, _, _, (model, _) = tiny
     sm = SwiftModel(model)
-    windows, ids = sm.cache_layers(), [(7 * i) % 400 + 3 for i in range(2000)]
+    windows, ids = sm.kv_layout().windows, [(7 * i) % 400 + 3 for i in range(2000)]
     assert any(windows) and not all(windows), name  # sliding and global layers
     for observe in (None, lambda i, before, after: None):  # the native loop, the Python loop
         trimmed, full = SwiftCache(windows), SwiftCache(sm.n_layers)
@@ -105,7 +105,7 @@ def test_a_stored_prefix_whose_sliding_layers_dropped_keys_is_a_prefills_bits(ti
     name, _, _, (model, _) = tiny
     sm = SwiftModel(model)
     ids, more = list(range(3, 703)), [5, 6, 7]
-    store, saved, warm, cold = PrefixStore(1 << 30), *(SwiftCache(sm.cache_layers()) for _ in range(3))
+    store, saved, warm, cold = PrefixStore(1 << 30), *(SwiftCache(sm.kv_layout().windows) for _ in range(3))
     with torch.inference_mode():
         for i in range(0, len(ids), 100):  # in chunks, as a server reads a prompt: the first ones are dropped
             sm.prefill(ids[i : i + 100], saved)
@@ -126,11 +126,11 @@ def test_the_servers_kv_budget_counts_a_sliding_layers_bounded_buffer(tiny):
     from swiftdecode.apps.server.reservations import Reservations
     from swiftdecode.decoding.request import ROUND_SLACK
 
-    sm = SwiftModel(tiny[3][0])
-    n, per_layer, windows = 100_000, sm.kv_bytes_per_token() // sm.n_layers, sm.cache_layers()
-    sliding = sum(w is not None for w in windows)
-    assert sm.kv_bytes(n) == per_layer * ((sm.n_layers - sliding) * n + sliding * 2 * (16 + WINDOW_SLACK))
-    assert sm.kv_bytes(100) == 100 * sm.kv_bytes_per_token()
-    reserved = Reservations(sm.kv_bytes(n), sm.kv_bytes, True, threading.Condition())
-    assert sm.kv_bytes_per_token() * n > reserved.budget
+    layout, n = SwiftModel(tiny[3][0]).kv_layout(), 100_000
+    sliding = sum(w is not None for w in layout.windows)
+    held = (len(layout.windows) - sliding) * n + sliding * 2 * (16 + WINDOW_SLACK)
+    assert layout.bytes(n) == layout.entry_bytes * held and layout.sliding() == (sliding, 2 * (16 + WINDOW_SLACK))
+    assert layout.bytes(100) == 100 * layout.bytes(1) == 100 * len(layout.windows) * layout.entry_bytes
+    reserved = Reservations(layout.bytes(n), layout.bytes, True, threading.Condition())
+    assert layout.bytes(1) * n > reserved.budget
     assert reserved.first(SimpleNamespace(capacity=n, ctx=[0] * 50)) == 50 + ROUND_SLACK

@@ -138,6 +138,7 @@ def test_published_shapes_have_their_parameter_counts():
     assert abs(param_count(SHAPES["llama-3.1-8b"]) / 8.03e9 - 1) < 0.01
     assert abs(param_count(SHAPES["phi-4-mini"]) / 3.84e9 - 1) < 0.01
     assert param_count(SHAPES["gemma-2-2b"]) == 2_614_341_888  # Gemma 2 2B's model card: 2.6B, tied embedding
+    assert param_count(SHAPES["gemma-3-4b"]) == 3_880_263_168  # Gemma 3 4B's language model: 3.88B (4.3B with vision)
 
 
 def test_size_estimate_matches_written_files(tiny_files):

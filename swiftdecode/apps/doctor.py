@@ -180,7 +180,7 @@ def time_forwards(
     draft = SkipSet.uniform(sms[runs[0][1]].n_layers, DRAFT_SKIP_RATIO)
     for model, path in runs:  # a cache per path: the fast path's holds fp16 keys/values on quantized weights
         accelerate(model, path)
-        caches[path] = SwiftCache(sms[path].cache_layers())
+        caches[path] = SwiftCache(sms[path].kv_layout().windows)
         sms[path].prefill(prompt, caches[path])
     for rep in range(repeats + 1):  # first round warms up
         for model, path in runs:
@@ -274,8 +274,8 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "weight_format": weight_format(model),
         "layers": sm.layer_loop(),
         "layers_why": why_not(model) or "the torch path" if sm.layer_loop() == "transformers" else None,
-        "kv_bytes_per_token": sm.kv_bytes_per_token(),
-        "kv_sliding": sm.sliding_kv(),
+        "kv_bytes_per_token": (layout := sm.kv_layout()).bytes(1),
+        "kv_sliding": layout.sliding(),
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],
@@ -308,6 +308,9 @@ LAYER_LOOPS = {
 }
 
 
+SLIDING_NOTE = "; {} sliding-window layers hold at most {} tokens each"  # the KV line's, where a model has them
+
+
 def format_report(d: dict) -> str:
     lines = [
         f"CPU:        {d['cpu']}   torch threads: {d['threads']}",
@@ -324,11 +327,7 @@ def format_report(d: dict) -> str:
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)"
-        + (
-            f"; {d['kv_sliding'][0]} sliding-window layers hold at most {d['kv_sliding'][1]} tokens each"
-            if d.get("kv_sliding")
-            else ""
-        ),
+        + (SLIDING_NOTE.format(*d["kv_sliding"]) if d.get("kv_sliding") else ""),
         "",
         f"{'path':<16}" + "".join(f"{f'k={k}':>16}" for k in KS) + f"{'GB/s @k=1':>12}",
     ]

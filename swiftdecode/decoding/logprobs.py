@@ -66,7 +66,7 @@ class PromptScorer:
 
     def __init__(self, sm, ids: list[int], k: int):
         self.sm, self.ids, self.k = sm, ids, k
-        self.cache = SwiftCache(sm.cache_layers(), len(ids))
+        self.cache = SwiftCache(sm.kv_layout().windows, len(ids))
         self.entries: list[TokenLogprob] = []
         self.scored = 0  # prompt tokens through the forward so far
 

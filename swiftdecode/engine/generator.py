@@ -94,7 +94,7 @@ class Generator:
         sampler = Sampler(params.sampling, seed, ids, constraint, self.eos)
         budget = min(params.max_new_tokens, self.sm.max_length - len(ids))
         eos = set() if params.sampling.ignore_eos else self.eos
-        decode, layers = self._prompts.decode, self.sm.cache_layers()
+        decode, layers = self._prompts.decode, self.sm.kv_layout().windows
         return Request(ids, budget, sampler, list(params.stop), eos, decode, layers, params.logprobs, cache_salt)
 
     def begin(self, req: Request) -> StreamEvent | None:
@@ -163,9 +163,9 @@ class Generator:
         return self.sm.max_length
 
     def kv_cost(self) -> tuple[Callable[[int], int], bool]:
-        """The KV bytes of a cache of n entries (`SwiftModel.kv_bytes`), and whether an evicted cache is recomputed
+        """The KV bytes of a cache of n entries (`KVLayout.bytes`), and whether an evicted cache is recomputed
         exactly (our kernels run the layers)."""
-        return self.sm.kv_bytes, self.sm.layer_loop() != "transformers"
+        return self.sm.kv_layout().bytes, self.sm.layer_loop() != "transformers"
 
     def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
         """The prompt's logprobs entries (k alternatives each), scored a chunk per `step()`."""

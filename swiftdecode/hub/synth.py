@@ -28,6 +28,7 @@ from gguf import (
     GGUFValueType,
     GGUFWriter,
     LlamaFileType,
+    RopeScalingType,
     TokenType,
 )
 from gguf import MODEL_TENSOR as T
@@ -58,12 +59,13 @@ class Shape:
     sliding_pattern: int = 0  # gemma: every Nth layer attends globally (llama.cpp fixes it: 2, gemma3 6; no key)
     rope_dims: int = 0  # phi3 partial rotary: dimensions rotated per head (0: all of head_dim)
     longrope_context: int = 0  # phi3 LongRoPE: original context length (0: no LongRoPE)
+    rope_linear: float = 0  # gemma3 4B and up: the global layers' linear rotary scaling factor (0: none)
 
 
 L32 = (32.0, 1.0, 4.0, 8192)  # Llama-3.2 rope_scaling: factor, low_freq_factor, high_freq_factor, original context
 L31 = (8.0, 1.0, 4.0, 8192)  # Llama-3.1
 # Positional fields: arch, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, context, rope theta, rms eps,
-# tied, llama3 rope, sliding window, sliding pattern, rope dims, LongRoPE context.
+# tied, llama3 rope, sliding window, sliding pattern, rope dims, LongRoPE context, linear rope factor.
 SHAPES = {
     # huggingface.co/Qwen/Qwen3-{0.6B,1.7B,4B,8B}/config.json
     "qwen3-0.6b": Shape("qwen3", 28, 1024, 16, 8, 128, 3072, 151936, 40960, 1e6, 1e-6, True),
@@ -80,19 +82,23 @@ SHAPES = {
     "phi-4-mini": Shape("phi3", 32, 3072, 24, 8, 128, 8192, 200064, 131072, 1e4, 1e-5, True, None, 262144, 0, 96, 4096),
     # HuggingFaceTB/SmolLM3-3B config.json: Llama anatomy, every 4th layer without rotary (llama.cpp fixes the step)
     "smollm3-3b": Shape("smollm3", 36, 2048, 16, 4, 128, 11008, 128256, 65536, 5e6, 1e-6, True),
-    # google/gemma-3-1b-it, google/gemma-2-2b-it config.json
+    # google/gemma-3-1b-it, google/gemma-3-4b-it (its text_config), google/gemma-2-2b-it config.json
     "gemma-3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True, None, 512, 6),
+    "gemma-3-4b": Shape(
+        "gemma3", 34, 2560, 8, 4, 256, 10240, 262208, 131072, 1e6, 1e-6, True, None, 1024, 6, rope_linear=8
+    ),
     "gemma-2-2b": Shape("gemma2", 26, 2304, 8, 4, 256, 9216, 256000, 8192, 1e4, 1e-6, True, None, 4096, 2),
     # Tiny test shapes: 6 layers (layer-skip drafts need some), widths multiples of 256 (every K-quant block fits),
     # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied) with Phi-3-mini's sliding
     # window on every layer. tiny-qwen3 keeps head_dim 128 (as all dense Qwen3): transformers reads no head_dim
-    # from a qwen3 GGUF and assumes 128. The windows are 16 tokens, so a test's 40-token context reaches past them.
+    # from a qwen3 GGUF and assumes 128. The windows are 16 tokens, so a test's 40-token context reaches past them;
+    # tiny-gemma3's global layers scale their rotary linearly as Gemma 3 4B and up do.
     "tiny-qwen3": Shape("qwen3", 6, 256, 4, 2, 128, 512, None, 4096, 1e6, 1e-6, True),
     "tiny-llama3": Shape("llama", 6, 256, 4, 2, 64, 512, None, 4096, 5e5, 1e-5, True, L32),
     "tiny-qwen2": Shape("qwen2", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, False),
     "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 16, 0, 48, 4096),
     "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
-    "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6),
+    "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6, rope_linear=8),
     "tiny-gemma2": Shape("gemma2", 6, 256, 4, 2, 64, 512, None, 4096, 1e4, 1e-6, True, None, 16, 2),
 }
 GEMMAS = ("gemma2", "gemma3")
@@ -336,6 +342,9 @@ def _add_metadata(w: GGUFWriter, s: Shape, name: str, fmt: str, vocab: int) -> N
     if s.arch == "phi3":
         w.add_rope_dimension_count(s.rope_dims or s.head_dim)
         w.add_rope_scaling_orig_ctx_len(s.longrope_context or s.context)
+    if s.rope_linear:  # convert_hf_to_gguf.py's Gemma 3 (4B and up)
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(s.rope_linear)
     if s.longrope_context:  # convert_hf_to_gguf.py's LongRoPE attention factor
         scale = s.context / s.longrope_context
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(s.longrope_context)))

@@ -12,6 +12,7 @@ advances itself: a forward costs no Python work per layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -29,6 +30,25 @@ def most_held(window: int | None) -> int | None:
     """The most entries a layer's buffer holds (beyond what one append needs): None (all) for a layer without a
     window, a sliding layer's 2 × (window + WINDOW_SLACK) (full, it drops to window + WINDOW_SLACK)."""
     return None if window is None else 2 * (window + WINDOW_SLACK)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A model's caches: each layer's sliding window (None: it keeps every entry; `SwiftCache(layout.windows)`) and
+    the bytes of one token's keys and values in one layer."""
+
+    windows: tuple[int | None, ...]
+    entry_bytes: int
+
+    def bytes(self, entries: int) -> int:
+        """The most bytes a cache of `entries` entries holds (a sliding layer's: `most_held`)."""
+        held = (entries if (m := most_held(w)) is None else min(entries, m) for w in self.windows)
+        return self.entry_bytes * sum(held)
+
+    def sliding(self) -> tuple[int, int] | None:
+        """How many layers drop the keys beyond their window, and the most entries one holds; None: none."""
+        held = [most_held(w) for w in self.windows if w is not None]
+        return (len(held), max(held)) if held else None
 
 
 def _filled(buffer: str) -> property:

@@ -10,7 +10,7 @@ import torch
 from swiftdecode.kernels.modules import QuantLinear
 from swiftdecode.kernels.qweight import QuantWeight
 from swiftdecode.runtime import fastpath, lean
-from swiftdecode.runtime.cache import SwiftCache, most_held
+from swiftdecode.runtime.cache import KVLayout, SwiftCache
 from swiftdecode.runtime.skip import LayerSkipper, SkipSet
 from swiftdecode.runtime.tree import attention_mask
 
@@ -48,13 +48,18 @@ class SwiftModel:
         self.draft_weight: torch.Tensor | QuantWeight | None = None
         self.lean = lean.LeanDecoder(model) if lean.why_not(model) is None else None
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token's keys and values take in the cache, all layers (sliding ones too: see `kv_bytes`)."""
-        c = self.config
+    def kv_layout(self) -> KVLayout:
+        """This model's caches: each layer's sliding window where our kernels run the layers (their masks hide the
+        keys beyond it, so its cache drops them; elsewhere None: transformers' masks index every entry), and a
+        token's keys and values in one layer (fp16 on the lean forward's quantized weights, else the model's)."""
+        c, lean_ = self.config, self._lean_kernel() is not None
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv = self.lean.kv_dtype if self._lean_kernel() is not None else None  # the lean forward's, else the model's
-        return self.n_layers * 2 * kv_heads * head_dim * torch.finfo(kv or self.dtype).bits // 8
+        dtype = (self.lean.kv_dtype if lean_ else None) or self.dtype
+        windows = (
+            [self.lean.window if s.sliding else None for s in self.lean.specs] if lean_ else [None] * self.n_layers
+        )
+        return KVLayout(tuple(windows), 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8)
 
     @torch.inference_mode()
     def forward(
@@ -95,24 +100,6 @@ class SwiftModel:
                 use_cache=True,
             )
         return out.last_hidden_state[0]
-
-    def kv_bytes(self, entries: int) -> int:
-        """The most bytes the keys and values of a cache of `entries` entries take (a sliding layer's: `most_held`)."""
-        per_layer = self.kv_bytes_per_token() // self.n_layers
-        return per_layer * sum(entries if m is None else min(entries, m) for m in map(most_held, self.cache_layers()))
-
-    def sliding_kv(self) -> tuple[int, int] | None:
-        """How many layers' caches drop the keys beyond their window and the most entries one holds; None: none."""
-        held = [most_held(w) for w in self.cache_layers() if w is not None]
-        return (len(held), max(held)) if held else None
-
-    def cache_layers(self) -> list[int | None]:
-        """What a SwiftCache for this model is made of (`SwiftCache(sm.cache_layers(), limit)`): each layer's
-        sliding window where our kernels run the layers (their masks hide the keys beyond it, so its cache drops
-        them), else None (it keeps every entry; transformers' masks index them all)."""
-        if self._lean_kernel() is None:
-            return [None] * self.n_layers
-        return [self.lean.window if spec.sliding else None for spec in self.lean.specs]
 
     def _lean_kernel(self):
         """The fp32 kernel library when this model runs the lean forward (lean.why_not: None; fast path on), else
@@ -213,5 +200,5 @@ def warm_up(sm: SwiftModel) -> SwiftModel:
     will decode."""
     observers = [lambda i, h_in, h_out: None, None] if sm.lean is not None else [None]
     for observe in observers:
-        sm.prefill(list(range(WARM_UP_TOKENS)), SwiftCache(sm.cache_layers()), observe)
+        sm.prefill(list(range(WARM_UP_TOKENS)), SwiftCache(sm.kv_layout().windows), observe)
     return sm

@@ -43,6 +43,6 @@ def prime(gen, ids: list[int]) -> None:
     answered: a prefill into a cache of its own, then kept."""
     from swiftdecode.runtime.cache import SwiftCache
 
-    cache = SwiftCache(gen.sm.cache_layers())
+    cache = SwiftCache(gen.sm.kv_layout().windows)
     gen.sm.prefill(ids, cache)
     gen.save_prefix(ids, cache, None)

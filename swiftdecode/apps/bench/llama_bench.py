@@ -40,8 +40,8 @@ def ours(model, pp: int = PP, tg: int = TG, repeats: int = 3) -> dict[str, float
     times: dict[str, list[float]] = {"pp": [], "tg": []}
     for rep in range(repeats + 1):  # the first run warms up, as llama-bench's does
         t = time.perf_counter()
-        sm.logits(sm.prefill(prompt[:pp], SwiftCache(sm.cache_layers()))[-1:])
-        pp_s, cache, t2 = time.perf_counter() - t, SwiftCache(sm.cache_layers()), time.perf_counter()
+        sm.logits(sm.prefill(prompt[:pp], SwiftCache(sm.kv_layout().windows))[-1:])
+        pp_s, cache, t2 = time.perf_counter() - t, SwiftCache(sm.kv_layout().windows), time.perf_counter()
         for i in range(tg):
             sm.logits(sm.forward(prompt[pp + i : pp + i + 1], torch.tensor([i]), one, cache))
         if rep:

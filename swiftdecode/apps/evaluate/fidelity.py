@@ -28,7 +28,7 @@ PERCENTILE = 99.0  # llama-perplexity's upper KLD percentile
 def scored_logprobs(sm, window: list[int]) -> torch.Tensor:
     """Log-probabilities [len(window) // 2 - 1, V] float32 at the scored positions (`sm`: a model.SwiftModel),
     on a cache of their own."""
-    first, cache = len(window) // 2, SwiftCache(sm.cache_layers())
+    first, cache = len(window) // 2, SwiftCache(sm.kv_layout().windows)
     sm.prefill(window[:first], cache)
     logits = sm.logits(sm.prefill(window[first:-1], cache))
     return torch.log_softmax(logits.double(), dim=-1).float()

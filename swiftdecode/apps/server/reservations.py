@@ -4,7 +4,7 @@ A request reserves the entries of its context and one round's slack when it star
 doubling as its buffer doubles (the reservation is its cache's buffer limit, so memory never exceeds the budget).
 It may grow to its capacity (prompt, max_tokens and a round's slack): one whose capacity alone exceeds the budget
 is refused (413). A request that cannot grow sits out its rounds until another finishes or is preempted. Entries
-cost what their cache holds: a sliding-window layer's no more than its bounded buffer (`SwiftModel.kv_bytes`).
+cost what their cache holds: a sliding-window layer's no more than its bounded buffer (`KVLayout.bytes`).
 
 Where the forward runs through transformers' modules (not batch-invariant) a dropped cache could not be recomputed
 exactly, so each request reserves its whole capacity up front there and never needs to grow.
@@ -21,7 +21,7 @@ from swiftdecode.decoding.request import ROUND_SLACK, Request
 
 class Reservations:
     """Request -> KV entries it may hold; changed by the worker thread under `lock`, read by the event loop. `cost`:
-    the bytes of a cache of n entries (`SwiftModel.kv_bytes`: a sliding-window layer's are bounded)."""
+    the bytes of a cache of n entries (`KVLayout.bytes`: a sliding-window layer's are bounded)."""
 
     def __init__(self, budget_bytes: int, cost: Callable[[int], int], grows: bool, lock: threading.Condition):
         self.budget, self.cost, self.grows, self.lock = budget_bytes, cost, grows, lock

@@ -73,7 +73,7 @@ class SkipTuner:
         self.skip, sm = init, self.sm
         if self.cfg.search is not None:
             timed = self.cfg.search.fixed_ratio is None  # SWIFT's mode scores matchness alone: no costs needed
-            on = cache if cache is not None else SwiftCache(sm.cache_layers())
+            on = cache if cache is not None else SwiftCache(sm.kv_layout().windows)
             cost = draft_cost(sm, self.sparse(), on) if timed else DraftCost(0.0, np.zeros(0), np.zeros(0), 0.0)
             self.search = LayerSearch(self.sm.n_layers, cost, self.cfg.search, init)
 
