@@ -43,6 +43,21 @@ def test_a_sliding_layer_drops_only_keys_beyond_window_and_slack():
         cache.truncate(sliding.first - 1)
 
 
+def test_a_sliding_layer_grown_by_one_long_append_shrinks_back_when_it_drops():
+    window, n = 4, 5 * (4 + WINDOW_SLACK)
+    cache = SwiftCache([None, window])
+    t = torch.arange(n, dtype=torch.float32).view(1, 1, -1, 1)
+    cache.extend([(0, t, -t), (0, t, -t)])  # a prompt read in one forward: every row's keys at once
+    assert cache.layers[1].capacity >= n
+    one = torch.full((1, 1, 1, 1), float(n))
+    for layer in cache.layers:
+        layer.update(one, -one)
+    sliding = cache.layers[1]
+    assert sliding.capacity == 2 * (window + WINDOW_SLACK) and sliding.keys[0, 0, :, 0].tolist() == list(
+        range(sliding.first, n + 1)
+    )
+
+
 def test_entries_carry_their_first_and_the_store_serves_only_prefixes_the_window_reaches():
     window, n = 4, 3 * (4 + WINDOW_SLACK)
     cache = _filled([None, window], n)
@@ -134,3 +149,21 @@ def test_the_servers_kv_budget_counts_a_sliding_layers_bounded_buffer(tiny):
     reserved = Reservations(layout.bytes(n), layout.bytes, True, threading.Condition())
     assert layout.bytes(1) * n > reserved.budget
     assert reserved.first(SimpleNamespace(capacity=n, ctx=[0] * 50)) == 50 + ROUND_SLACK
+
+
+def test_gemma3_270m_past_its_window_is_ar_and_a_full_caches_argmax(gemma):
+    """The registry's Gemma-3-270M (window 512) over ~1,650 tokens, so its sliding layers drop keys: swift equals
+    ar, and ar's tokens are the argmax of a teacher-forced prefill on a cache that keeps every entry."""
+    from pathlib import Path
+
+    model, tok = gemma
+    prompt = (Path(__file__).parents[1] / "README.md").read_text()[:5000]
+    want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=150)
+    assert want.stats.prompt_tokens + 150 > 2 * (512 + WINDOW_SLACK)
+    assert Generator(model, tok, method="swift").generate(prompt, max_new_tokens=150).token_ids == want.token_ids
+    sm, ids = SwiftModel(model), tok(prompt)["input_ids"]
+    assert len(ids) == want.stats.prompt_tokens
+    full = ids + want.token_ids
+    with torch.inference_mode():
+        hidden = sm.prefill(full[:-1], SwiftCache(sm.n_layers))
+        assert sm.logits(hidden[len(ids) - 1 :]).argmax(-1).tolist() == want.token_ids

@@ -133,11 +133,15 @@ class BufferLayer(DynamicLayer):
             self._bind()
 
     def _drop_to(self, first: int) -> None:
-        """Drop the entries before `first`: the rest move to the buffer's start."""
+        """Drop the entries before `first`: the rest move to the buffer's start, into buffers of `most_held` where
+        one long append (a prompt read in one forward) had grown them past it."""
         kept = slice(first - self.first, self.length - self.first)
-        n = kept.stop - kept.start
-        self._k[:, :, :n] = self._k[:, :, kept].clone()
-        self._v[:, :, :n] = self._v[:, :, kept].clone()
+        n, size = kept.stop - kept.start, min(self.capacity, most_held(self.window))
+        k, v = self._k[:, :, kept].clone(), self._v[:, :, kept].clone()
+        if size < self.capacity:
+            self._k, self._v = (b.new_empty((*b.shape[:2], size, b.shape[-1])) for b in (self._k, self._v))
+            self._bind()
+        self._k[:, :, :n], self._v[:, :, :n] = k, v
         self.entry.first = first
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
