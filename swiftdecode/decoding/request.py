@@ -118,15 +118,15 @@ class Request:
         stop: list[str] | None,
         eos: set[int],
         decode,
-        layers: list[int | None],
+        windows: list[int | None],
         top_logprobs: int | None = None,
         salt: str | None = None,
     ):
         self.ids, self.budget, self.sampler, self.eos, self.decode = ids, budget, sampler, eos, decode
         self.stop = stop or []
         self.top_logprobs, self.logprobs, self.logprobs_sent = top_logprobs, [], 0
-        self.capacity, self.layers = len(ids) + budget + ROUND_SLACK, layers
-        self.cache = SwiftCache(layers, self.capacity)
+        self.capacity, self.windows = len(ids) + budget + ROUND_SLACK, windows  # the cache's (KVLayout.windows)
+        self.cache = SwiftCache(windows, self.capacity)
         self.ctx, self.new, self.emitted, self.finish = list(ids), [], "", None
         self.so_far = TextSoFar(decode)  # the text of `new`, decoded a few tokens a round
         self.searched = 0  # characters of so_far's text already searched for a stop string (none was there)
@@ -154,7 +154,7 @@ class Request:
     def evict(self) -> None:
         """Drop the KV cache (memory ran short): a prefill of ctx[:-1] writes it again, the same bits (on the
         batch-invariant kernels a token's entries depend only on the tokens before it), and decoding goes on."""
-        self.cache = SwiftCache(self.layers, self.capacity)
+        self.cache = SwiftCache(self.windows, self.capacity)
 
     def take(self, tokens: list[int], rows: torch.Tensor | None = None) -> StreamEvent | None:
         """Take a round's tokens (up to EOS, the budget or a stop string); returns the text to stream, if any.

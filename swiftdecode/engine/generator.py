@@ -94,8 +94,8 @@ class Generator:
         sampler = Sampler(params.sampling, seed, ids, constraint, self.eos)
         budget = min(params.max_new_tokens, self.sm.max_length - len(ids))
         eos = set() if params.sampling.ignore_eos else self.eos
-        decode, layers = self._prompts.decode, self.sm.kv_layout().windows
-        return Request(ids, budget, sampler, list(params.stop), eos, decode, layers, params.logprobs, cache_salt)
+        decode, windows = self._prompts.decode, self.sm.kv_layout().windows
+        return Request(ids, budget, sampler, list(params.stop), eos, decode, windows, params.logprobs, cache_salt)
 
     def begin(self, req: Request) -> StreamEvent | None:
         """Prefill the request's prompt into its cache and take the first token."""

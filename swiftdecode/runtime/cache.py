@@ -71,8 +71,8 @@ def _filled(buffer: str) -> property:
 class BufferLayer(DynamicLayer):
     """One layer's KV entries in a buffer that grows by doubling (from 256 entries), never past `limit` entries
     unless an append needs more; appends copy only the new entries. With a `window` (a sliding-window layer), a full
-    buffer first drops the entries more than `retain` (window + WINDOW_SLACK) behind the end, and grows no further
-    than 2 × retain (`most_held`)."""
+    buffer first drops the entries more than window + WINDOW_SLACK behind the end, and grows no further than twice
+    that (`most_held`)."""
 
     def __init__(self, limit: int | None, entry: KVEntry, window: int | None = None):
         self.entry = entry  # buffer addresses, head stride, length and first entry, in its cache's native table
@@ -80,7 +80,6 @@ class BufferLayer(DynamicLayer):
         self._v: torch.Tensor | None = None
         super().__init__()
         self.limit, self.window = limit, window
-        self.retain = None if window is None else window + WINDOW_SLACK  # entries kept behind the end when dropping
 
     @property
     def length(self) -> int:
@@ -119,12 +118,12 @@ class BufferLayer(DynamicLayer):
     values = _filled("_v")
 
     def _room(self, end: int) -> None:
-        """Room for the entries up to `end`: drop those more than `retain` behind the end where the buffer is full
-        (a sliding layer), then grow (doubling, capped at `limit` and `most_held` unless `end` needs more)."""
+        """Room for the entries up to `end`: where the buffer is full, a sliding layer drops those more than window +
+        WINDOW_SLACK behind its end; then grow (doubling, capped at `limit` and `most_held` unless `end` needs more)."""
         if end - self.first <= self.capacity:
             return
-        if self.retain is not None and self.length - self.retain > self.first:
-            self._drop_to(self.length - self.retain)
+        if self.window is not None and (keep_from := self.length - self.window - WINDOW_SLACK) > self.first:
+            self._drop_to(keep_from)
         if end - self.first > self.capacity:
             doubled = min([2 * self.capacity, *(c for c in (self.limit, most_held(self.window)) if c)])
             grow = max(end - self.first, doubled) - self.capacity
@@ -200,6 +199,8 @@ class SwiftCache(Cache):
         self.table = (KVEntry * len(windows))()  # the layers' native entries, in layer order
         super().__init__(layers=[BufferLayer(limit, self.table[i], w) for i, w in enumerate(windows)])
         self.windows = windows
+        # the sliding layers and their windows, which `check_window` reads each forward
+        self._sliding = [(layer, w) for layer, w in zip(self.layers, windows, strict=True) if w is not None]
         self._room_until = 0  # every layer's buffer has room up to this entry (until one drops or grows)
 
     @property
@@ -222,8 +223,8 @@ class SwiftCache(Cache):
     def check_window(self, position: int) -> None:
         """Raise unless each sliding layer still holds the keys a row at `position` (the lowest of a forward's
         rows) attends to: those less than its window behind."""
-        for layer, window in zip(self.layers, self.windows, strict=True):
-            if window is not None and layer.first > max(position - window + 1, 0):
+        for layer, window in self._sliding:
+            if layer.first > max(position - window + 1, 0):
                 raise RuntimeError(
                     f"a row at position {position} needs keys from {position - window + 1}, but its sliding-window "
                     f"layer dropped those before {layer.first} (more than WINDOW_SLACK behind the cache's end)"
