@@ -283,3 +283,53 @@ def test_windowed_masks_are_the_transformers_paths():
         for window in (1, 3, 16, 64):
             want = attention_mask(positions, prefix, visible, allowed, F32, window)[0, 0]
             assert torch.equal(windowed(full, positions, window), want), (visible, window)
+
+
+@pytest.mark.parametrize("fmt", ["q3_k_m", "iq4_xs"])
+def test_low_bit_formats_run_natively_close_to_transformers(fmt, tmp_path):
+    """A Q3_K_M and an IQ4_XS file (llama.cpp's mixes: Q3_K with Q4_K/Q5_K, IQ4_XS with Q5_K, Q6_K heads) keep every
+    projection in its own blocks on the native loop, stay within the parity bounds of transformers' float32
+    forward of the same blocks, and keep the invariants: k rows are k one-row forwards bit for bit, and every
+    method is token-identical to `ar`."""
+    import swiftdecode
+    from swiftdecode.hub import locate_gguf
+    from swiftdecode.hub.synth import write
+    from swiftdecode.kernels.modules import QuantLinear
+
+    tokenizer = locate_gguf("smollm2-135m", progress=False)[0]
+    path = write("tiny-llama3", tmp_path / f"{fmt}.gguf", fmt, tokenizer_from=tokenizer)
+    model, tok = swiftdecode.load(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
+    kinds = {m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear)}
+    assert kinds >= ({"Q3_K", "Q4_K", "Q5_K"} if fmt == "q3_k_m" else {"IQ4_XS"}), kinds
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())  # nothing dequantized
+    sm, ids = SwiftModel(model), list(range(300, 340))
+    assert sm.layer_loop() == "native"
+    with torch.inference_mode():
+        ours = sm.logits(sm.prefill(ids, SwiftCache(sm.n_layers)))
+    ref = hf_logits(locate_gguf(str(path), cache_dir=str(tmp_path / "cache"), progress=False)[1], path, ids)
+    diff, std = (ours - ref).abs(), ref.std()
+    assert diff.mean() < MEAN_TOLERANCE * std and diff.max() < MAX_TOLERANCE * std, (fmt, diff.mean(), diff.max())
+    _assert_chain_is_one_row_forwards(sm, fmt)
+    _assert_methods_match_ar(model, tok, fmt)
+
+
+def test_tensors_without_a_kernel_are_named_at_load(tmp_path, monkeypatch, capsys):
+    """A file's matrices of a type the kernel lacks are dequantized to float32, and the load says which and what
+    that costs (here Q6_K taken out of the kernel's formats: a tiny Q4_K_M file's embedding and its Q6_K layers)."""
+    import swiftdecode
+    from swiftdecode.apps.doctor import weight_format
+    from swiftdecode.hub import locate_gguf
+    from swiftdecode.hub.synth import write
+    from swiftdecode.kernels.gguf_index import read_index
+    from swiftdecode.runtime import quantized
+
+    path = write("tiny-llama3", tmp_path / "m.gguf", tokenizer_from=locate_gguf("smollm2-135m", progress=False)[0])
+    monkeypatch.setattr(quantized, "FORMATS", {k: v for k, v in quantized.FORMATS.items() if k != "Q6_K"})
+    model, tok = swiftdecode.load(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
+    err = capsys.readouterr().err
+    six = [t for t in read_index(path)[1] if t.tensor_type.name == "Q6_K"]  # embedding, some attn_v and ffn_down
+    gb = sum(4 * t.n_rows * int(t.shape[0]) for t in six) / 1e9
+    assert f"m.gguf: no quantized kernel for Q6_K x{len(six)} " in err and f"float32 ({gb:.1f} GB)" in err, err
+    assert Generator(model, tok, method="ar").generate("one two", max_new_tokens=4).token_ids
+    layers = [t for t in six if t.name.startswith("blk.")]  # the embedding is a lookup, not a product
+    assert f", float32 x{len(layers) + 1} (GGUF types without a kernel" in weight_format(model)  # + the tied head

@@ -481,7 +481,7 @@ def test_inner_step_rate_is_a_rate_below_the_peak(isa):
     except KernelUnavailable as e:
         pytest.skip(f"no {isa} build here: {e}")
     peak = q.peak_macs(1)
-    for fmt, _, _ in FORMATS.values():
+    for fmt, *_ in FORMATS.values():
         a, b = q.loop_macs(fmt, 1, reps=1 << 11), q.loop_macs(fmt, 1, reps=1 << 12)
         assert 1e9 < a < 1.1 * peak and 0.5 < a / b < 2.0, fmt
 

@@ -23,6 +23,9 @@ FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a bloc
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "Q3_K": (108,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }
 
 
@@ -85,7 +88,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("act", ACT_BLOCKS)
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_formats(kind, act):
-    n, k = 40, 512 if kind.endswith("_K") else 608  # n not a multiple of the 16-row tile; K a partial 256-group
+    n, k = 40, 512 if FORMATS[kind][3] == 256 else 608  # n not a multiple of the 16-row tile; K a partial 256-group
     data = random_blocks(kind, n, k)
     w = QuantWeight.from_gguf(kind, data, n, k)
     ref = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
@@ -264,4 +267,4 @@ def test_the_amx_builds_timing_loops_run_on_tiles():
 
     amx = amx_kernel()
     assert amx.peak_macs(2, reps=16, tries=1) > 0
-    assert all(amx.loop_macs(fmt, 2, reps=4, tries=1) > 0 for fmt, _, _ in FORMATS.values())
+    assert all(amx.loop_macs(fmt, 2, reps=4, tries=1) > 0 for fmt, *_ in FORMATS.values())

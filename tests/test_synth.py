@@ -13,9 +13,9 @@ from gguf.quants import dequantize
 
 from swiftdecode.apps.cli import main
 from swiftdecode.base.errors import UserError
+from swiftdecode.hub.shapes import SHAPES
 from swiftdecode.hub.synth import (
     LAYOUTS,
-    SHAPES,
     WEIGHT_RMS,
     estimate_size,
     param_count,
@@ -131,6 +131,22 @@ def test_q4_k_m_follows_llama_cpps_recipe():
     assert q4_0["output.weight"] == Q.Q6_K and q4_0["blk.0.ffn_down.weight"] == q4_0["token_embd.weight"] == Q.Q4_0
     q8_0 = {t.qtype for t in tensor_plan(SHAPES["phi-4-mini"], "q8_0", 200064)}
     assert q8_0 == {Q.F32, Q.Q8_0}
+
+
+def test_q3_k_m_and_iq4_xs_follow_llama_cpps_recipes():
+    q3 = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.2-3b"], "q3_k_m", 128256)}
+    assert q3["token_embd.weight"] == Q.Q6_K  # tied: the output's type
+    assert [q3[f"blk.{i}.attn_v.weight"] for i in range(3)] == [Q.Q5_K, Q.Q5_K, Q.Q4_K]
+    assert [q3[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [Q.Q5_K, Q.Q4_K, Q.Q4_K]  # first 28 // 16 layers
+    assert q3["blk.9.attn_output.weight"] == Q.Q4_K
+    assert q3["blk.9.attn_q.weight"] == q3["blk.9.attn_k.weight"] == q3["blk.9.ffn_up.weight"] == Q.Q3_K
+    iq = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.2-3b"], "iq4_xs", 128256)}
+    assert iq["blk.0.attn_v.weight"] == iq["blk.9.ffn_down.weight"] == iq["blk.9.attn_q.weight"] == Q.IQ4_XS  # GQA 3
+    assert [iq[f"blk.{i}.ffn_down.weight"] for i in (2, 3)] == [Q.Q5_K, Q.IQ4_XS]  # first 28 // 8 layers
+    qwen = {t.name: t.qtype for t in tensor_plan(SHAPES["qwen3-8b"], "iq4_xs", 151936)}
+    assert qwen["blk.9.attn_v.weight"] == Q.Q5_K and qwen["output.weight"] == Q.Q6_K  # GQA 4: more bits for v
+    gemma = {t.name: t.qtype for t in tensor_plan(SHAPES["gemma-3-1b"], "iq4_xs", 262144)}
+    assert gemma["blk.9.attn_q.weight"] == Q.IQ4_NL  # 1152 columns: 32-value blocks
 
 
 def test_published_shapes_have_their_parameter_counts():

@@ -10,7 +10,8 @@ from pathlib import Path
 from swiftdecode.apps.models_cli import table
 from swiftdecode.base.errors import UserError
 from swiftdecode.hub import locate_gguf
-from swiftdecode.hub.synth import DEFAULT_VOCAB, FORMATS, SHAPES, estimate_size, param_count, resolve, write
+from swiftdecode.hub.shapes import SHAPES, resolve
+from swiftdecode.hub.synth import DEFAULT_VOCAB, FORMATS, estimate_size, param_count, write
 
 DEFAULT_TOKENIZER = "smollm2-135m"  # a registry model: its GGUF's tokenizer, padded to the shape's vocab
 HEADER = ("shape", "architecture", "params", *(f"{fmt} size" for fmt in FORMATS))

@@ -1,6 +1,6 @@
 """GGUF files of published model shapes with random weights: speed work on a model's real sizes without its download.
 
-`SHAPES` holds the shapes (the published models' config.json numbers, and tiny test shapes, one per architecture).
+`hub/shapes.py` holds the shapes (the published models' config.json numbers, and tiny test shapes).
 `write` lays out a file as llama.cpp's tools would: the architecture's metadata keys and tensor names (as
 convert_hf_to_gguf.py writes them), the block types of llama.cpp's quantization recipe (`tensor_plan`), and the
 tokenizer of another GGUF file, padded to the shape's vocab. Each quantized block's fp16 scales are set so the
@@ -36,71 +36,8 @@ from gguf import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 from swiftdecode.base.errors import UserError
+from swiftdecode.hub.shapes import Shape, resolve
 
-
-@dataclass(frozen=True)
-class Shape:
-    """A decoder's hyperparameters as its config.json gives them. `vocab` None: the tokenizer file's own size."""
-
-    arch: str  # GGUF general.architecture
-    n_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int | None
-    context: int
-    rope_theta: float
-    rms_eps: float
-    tied: bool  # the output projection is the token embedding
-    llama3_rope: tuple[float, float, float, int] | None = None  # (factor, low_freq, high_freq, original context)
-    sliding_window: int = 0  # gemma: local-attention window; phi3: its config's sliding_window (0: none)
-    sliding_pattern: int = 0  # gemma: every Nth layer attends globally (llama.cpp fixes it: 2, gemma3 6; no key)
-    rope_dims: int = 0  # phi3 partial rotary: dimensions rotated per head (0: all of head_dim)
-    longrope_context: int = 0  # phi3 LongRoPE: original context length (0: no LongRoPE)
-    rope_linear: float = 0  # gemma3 4B and up: the global layers' linear rotary scaling factor (0: none)
-
-
-L32 = (32.0, 1.0, 4.0, 8192)  # Llama-3.2 rope_scaling: factor, low_freq_factor, high_freq_factor, original context
-L31 = (8.0, 1.0, 4.0, 8192)  # Llama-3.1
-# Positional fields: arch, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, context, rope theta, rms eps,
-# tied, llama3 rope, sliding window, sliding pattern, rope dims, LongRoPE context, linear rope factor.
-SHAPES = {
-    # huggingface.co/Qwen/Qwen3-{0.6B,1.7B,4B,8B}/config.json
-    "qwen3-0.6b": Shape("qwen3", 28, 1024, 16, 8, 128, 3072, 151936, 40960, 1e6, 1e-6, True),
-    "qwen3-1.7b": Shape("qwen3", 28, 2048, 16, 8, 128, 6144, 151936, 40960, 1e6, 1e-6, True),
-    "qwen3-4b": Shape("qwen3", 36, 2560, 32, 8, 128, 9728, 151936, 40960, 1e6, 1e-6, True),
-    "qwen3-8b": Shape("qwen3", 36, 4096, 32, 8, 128, 12288, 151936, 40960, 1e6, 1e-6, False),
-    # meta-llama/Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B config.json
-    "llama-3.2-1b": Shape("llama", 16, 2048, 32, 8, 64, 8192, 128256, 131072, 5e5, 1e-5, True, L32),
-    "llama-3.2-3b": Shape("llama", 28, 3072, 24, 8, 128, 8192, 128256, 131072, 5e5, 1e-5, True, L32),
-    "llama-3.1-8b": Shape("llama", 32, 4096, 32, 8, 128, 14336, 128256, 131072, 5e5, 1e-5, False, L31),
-    # Qwen/Qwen2.5-7B-Instruct config.json (the base model's context is 131072)
-    "qwen2.5-7b": Shape("qwen2", 28, 3584, 28, 4, 128, 18944, 152064, 32768, 1e6, 1e-6, False),
-    # microsoft/Phi-4-mini-instruct config.json: partial_rotary_factor 0.75 (96 of 128 dims), LongRoPE from 4096
-    "phi-4-mini": Shape("phi3", 32, 3072, 24, 8, 128, 8192, 200064, 131072, 1e4, 1e-5, True, None, 262144, 0, 96, 4096),
-    # HuggingFaceTB/SmolLM3-3B config.json: Llama anatomy, every 4th layer without rotary (llama.cpp fixes the step)
-    "smollm3-3b": Shape("smollm3", 36, 2048, 16, 4, 128, 11008, 128256, 65536, 5e6, 1e-6, True),
-    # google/gemma-3-1b-it, google/gemma-3-4b-it (its text_config), google/gemma-2-2b-it config.json
-    "gemma-3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True, None, 512, 6),
-    "gemma-3-4b": Shape(
-        "gemma3", 34, 2560, 8, 4, 256, 10240, 262208, 131072, 1e6, 1e-6, True, None, 1024, 6, rope_linear=8
-    ),
-    "gemma-2-2b": Shape("gemma2", 26, 2304, 8, 4, 256, 9216, 256000, 8192, 1e4, 1e-6, True, None, 4096, 2),
-    # Tiny test shapes: 6 layers (layer-skip drafts need some), widths multiples of 256 (every K-quant block fits),
-    # grouped-query attention; tiny-phi3 as Phi-4-mini (partial rotary, LongRoPE, tied) with Phi-3-mini's sliding
-    # window on every layer. tiny-qwen3 keeps head_dim 128 (as all dense Qwen3): transformers reads no head_dim
-    # from a qwen3 GGUF and assumes 128. The windows are 16 tokens, so a test's 40-token context reaches past them;
-    # tiny-gemma3's global layers scale their rotary linearly as Gemma 3 4B and up do.
-    "tiny-qwen3": Shape("qwen3", 6, 256, 4, 2, 128, 512, None, 4096, 1e6, 1e-6, True),
-    "tiny-llama3": Shape("llama", 6, 256, 4, 2, 64, 512, None, 4096, 5e5, 1e-5, True, L32),
-    "tiny-qwen2": Shape("qwen2", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, False),
-    "tiny-phi3": Shape("phi3", 6, 256, 4, 2, 64, 512, None, 16384, 1e4, 1e-5, True, None, 16, 0, 48, 4096),
-    "tiny-smollm3": Shape("smollm3", 6, 256, 4, 2, 64, 512, None, 4096, 5e6, 1e-6, True),
-    "tiny-gemma3": Shape("gemma3", 6, 256, 4, 2, 64, 512, None, 4096, 1e6, 1e-6, True, None, 16, 6, rope_linear=8),
-    "tiny-gemma2": Shape("gemma2", 6, 256, 4, 2, 64, 512, None, 4096, 1e4, 1e-6, True, None, 16, 2),
-}
 GEMMAS = ("gemma2", "gemma3")
 ARCHES = {n: a for a, n in MODEL_ARCH_NAMES.items() if n in ("qwen3", "llama", "qwen2", "phi3", "smollm3", *GEMMAS)}
 # every Nth layer attends globally: llama.cpp's loaders and transformers' configs fix it per architecture
@@ -110,10 +47,13 @@ GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention and final logit caps of every publis
 # --format -> (llama.cpp's default block type for it, general.file_type)
 FORMATS = {
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q3_k_m": (Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama.cpp's types for rows that 256-element blocks do not divide
+# llama.cpp's types for rows that 256-element blocks do not divide
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}
 WEIGHT_RMS = 0.02  # dequantized weights' RMS, as a trained model's init: a forward stays finite through 30+ layers
 NORM_NOISE = 0.02  # norm weights are 1 + N(0, NORM_NOISE) (gemma's GGUF stores its norms with the +1 folded in)
 BIAS_RMS = 0.02  # qwen2's attention biases: N(0, BIAS_RMS)
@@ -140,6 +80,10 @@ LAYOUTS = {
     Q.Q8_0: Layout((0,), (1.0,), math.sqrt(5461.5)),  # d * q, q int8
     # d * sc * q - dmin * m with 6-bit sc, m and 4-bit q; dmin = 7.5 d centres the weights on 0
     Q.Q4_K: Layout((0, 2), (1.0, 7.5), math.sqrt(66727.5)),
+    Q.Q5_K: Layout((0, 2), (1.0, 15.5), math.sqrt(277651.5)),  # as Q4_K with 5-bit q: dmin = 15.5 d
+    Q.Q3_K: Layout((108,), (1.0,), math.sqrt(341.5 * 5.5)),  # d * (sc - 32) * (q - 4), sc 6-bit, q 3-bit; d last
+    Q.IQ4_NL: Layout((0,), (1.0,), math.sqrt(4548.0)),  # d * v[q], v the 16 codebook values: E[v^2] = 4548
+    Q.IQ4_XS: Layout((0,), (1.0,), math.sqrt(341.5 * 4548.0)),  # d * (sc - 32) * v[q], sc 6-bit
     Q.Q6_K: Layout((208,), (1.0,), math.sqrt(5461.5 * 341.5)),  # d * sc * (q - 32), sc int8, q 6-bit; d last
 }
 
@@ -159,15 +103,6 @@ class TensorSpec:
         return math.prod(self.shape) // block * size
 
 
-def resolve(shape: str | Shape) -> tuple[str, Shape]:
-    """(name, Shape) of a shape name in `SHAPES` or a Shape; UserError naming the known shapes otherwise."""
-    if isinstance(shape, Shape):
-        return f"{shape.arch}-custom", shape
-    if shape not in SHAPES:
-        raise UserError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    return shape, SHAPES[shape]
-
-
 def use_more_bits(layer: int, n_layers: int) -> bool:
     """llama.cpp's rule for the layers whose attn_v and ffn_down Q4_K_M stores as Q6_K (llama-quant.cpp)."""
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
@@ -180,10 +115,21 @@ def block_type(s: Shape, kind: MODEL_TENSOR, shape: tuple[int, ...], fmt: str, l
     base, cols = FORMATS[fmt][0], shape[1]
     if kind == T.OUTPUT or (s.tied and kind == T.TOKEN_EMBD):  # the output projection: Q6_K unless Q8_0 anyway
         return Q.Q8_0 if cols % GGML_QUANT_SIZES[base][0] or base == Q.Q8_0 else Q.Q6_K
-    qtype = base
-    if fmt == "q4_k_m" and kind in (T.ATTN_V, T.ATTN_QKV, T.FFN_DOWN) and use_more_bits(layer, s.n_layers):
-        qtype = Q.Q6_K
+    qtype = _mixed_type(s, kind, fmt, layer) or base
     return FALLBACK[qtype] if cols % GGML_QUANT_SIZES[qtype][0] else qtype
+
+
+def _mixed_type(s: Shape, kind: MODEL_TENSOR, fmt: str, layer: int) -> Q | None:
+    """The more bits llama.cpp's mixed formats give some layers' tensors (llama-quant.cpp; no imatrix), or None."""
+    attn_v, n = kind in (T.ATTN_V, T.ATTN_QKV), s.n_layers
+    if fmt == "q4_k_m" and (attn_v or kind == T.FFN_DOWN) and use_more_bits(layer, n):
+        return Q.Q6_K
+    if fmt == "q3_k_m" and (attn_v or kind in (T.FFN_DOWN, T.ATTN_OUT)):
+        first = layer < 2 if attn_v else layer < n // 16 if kind == T.FFN_DOWN else False
+        return Q.Q5_K if first else Q.Q4_K
+    if fmt == "iq4_xs" and ((attn_v and s.heads // s.kv_heads >= 4) or (kind == T.FFN_DOWN and layer < n // 8)):
+        return Q.Q5_K
+    return None
 
 
 def _layer(s: Shape) -> list[tuple[MODEL_TENSOR, tuple[int, ...], str]]:

@@ -16,16 +16,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 LANES = 16  # output rows per tile (csrc LANES)
 
-# GGUF type name -> (kernel format id, high-bit plane width (8: whole-byte codes, no high plane), values per block)
+# GGUF type name -> (kernel format id, low-code plane width (2, 4, or 8: whole-byte codes), high-bit plane width
+# (0-2), values per block). The IQ4 formats keep their 4-bit codebook indices; the kernel maps them.
 FORMATS = {
-    "Q4_0": (0, 0, 32),
-    "Q4_1": (1, 0, 32),
-    "Q5_0": (2, 1, 32),
-    "Q5_1": (3, 1, 32),
-    "Q8_0": (4, 8, 32),
-    "Q4_K": (5, 0, 256),
-    "Q5_K": (6, 1, 256),
-    "Q6_K": (7, 2, 256),
+    "Q4_0": (0, 4, 0, 32),
+    "Q4_1": (1, 4, 0, 32),
+    "Q5_0": (2, 4, 1, 32),
+    "Q5_1": (3, 4, 1, 32),
+    "Q8_0": (4, 8, 0, 32),
+    "Q4_K": (5, 4, 0, 256),
+    "Q5_K": (6, 4, 1, 256),
+    "Q6_K": (7, 4, 2, 256),
+    "Q3_K": (8, 2, 1, 256),
+    "IQ4_NL": (9, 4, 0, 32),
+    "IQ4_XS": (10, 4, 0, 256),
 }
 PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
 LAYOUT_VERSION = 1  # of the planes (_planes, csrc/qgemm.cpp): change it with them, so no cached layout reads stale
@@ -55,11 +59,40 @@ def _kscales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _q3_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12-byte packed 6-bit scales [..., 12] -> [..., 16] int8 (scale - 32): low nibbles in bytes 0-7
+    (scales 0-7, then their high nibbles 8-15), 2 high bits each in bytes 8-11 (scale i: byte 8 + i % 4, bits
+    2 (i // 4))."""
+    low = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], axis=-1)
+    high = np.concatenate([(s[..., 8:12] >> (2 * i)) & 3 for i in range(4)], axis=-1)
+    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def _decode_k3(kind: str, b: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
+    """Q3_K and IQ4_XS blocks [N, nblk, bytes] -> codes [N, nblk, 256], their scales into `out`."""
+    n, nblk = b.shape[:2]
+    if kind == "Q3_K":  # value 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l] (its 4)
+        out["d"] = _f16(b[..., 108:110])
+        out["sc"] = _q3_scales(b[..., 96:108]).reshape(n, -1)
+        ql = (b[..., 32:96].reshape(n, nblk, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
+        qh = (b[..., 0:32].reshape(n, nblk, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        return ql.reshape(n, nblk, 256) | (qh.reshape(n, nblk, 256) << 2)
+    hs = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0]  # IQ4_XS: 6-bit scales, low nibbles in 4-7
+    low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(n, nblk, 8) & 15
+    high = (hs[..., None] >> (2 * np.arange(8, dtype=np.uint16))).astype(np.uint8) & 3
+    out["sc"] = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+    return _nibbles(b[..., 8:136].reshape(n, nblk, 8, 16)).reshape(n, nblk, 256)
+
+
 def _decode(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
     """Blocks [N, nblk, bytes] -> codes `u` [N, K] and per-row scale arrays, as GGUF defines each type."""
     n = b.shape[0]
     out: dict[str, np.ndarray] = {"d": _f16(b[..., 0:2])}
-    if kind in ("Q4_0", "Q4_1"):
+    if kind in ("Q3_K", "IQ4_XS"):
+        u = _decode_k3(kind, b, out)
+    elif kind == "IQ4_NL":
+        u = _nibbles(b[..., 2:18])
+    elif kind in ("Q4_0", "Q4_1"):
         o = 2 if kind == "Q4_0" else 4
         if kind == "Q4_1":
             out["d2"] = _f16(b[..., 2:4])
@@ -112,7 +145,7 @@ def _byte_plane(c: np.ndarray, t: int) -> np.ndarray:
 
 def _hi_plane(c: np.ndarray, t: int, hb: int) -> np.ndarray:
     """High bits [N, K] -> the kernel's hb-bit plane (see csrc/qgemm.cpp)."""
-    if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t
+    if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t (also Q3_K's 2-bit lo)
         x = _tile(c, t).reshape(t, LANES, -1, 2, 4, 4).astype(np.uint8)
         v = sum(x[..., s, :] << (2 * s) for s in range(4)).astype(np.uint8)
         return np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4))
@@ -126,17 +159,17 @@ def _scale_plane(a: np.ndarray, t: int) -> np.ndarray:
     return np.ascontiguousarray(_tile(a, t).transpose(0, 2, 1))
 
 
-def _planes(kind: str, blocks: np.ndarray, hb: int) -> dict[str, np.ndarray]:
+def _planes(kind: str, blocks: np.ndarray, lo: int, hb: int) -> dict[str, np.ndarray]:
     """Blocks of some rows [rows, nblk, bytes] -> their kernel planes, tiles first (rows padded to 16)."""
     f = _decode(kind, blocks)
     t = -(-blocks.shape[0] // LANES)
     u = f.pop("u")
-    if hb == 8:
+    if lo == 8:
         planes = {"lo": _byte_plane(u, t)}
     else:
-        planes = {"lo": _nibble_plane(u & 15, t)}
+        planes = {"lo": _nibble_plane(u & 15, t) if lo == 4 else _hi_plane(u & 3, t, 2)}
         if hb:
-            planes["hi"] = _hi_plane(u >> 4, t, hb)
+            planes["hi"] = _hi_plane(u >> lo, t, hb)
     for name, a in f.items():
         planes[name] = _scale_plane(a.view(np.uint16) if a.dtype == np.float16 else a, t)
     return planes
@@ -173,7 +206,7 @@ class QuantWeight:
         (read in chunks); rows: optional order of the rows (a permutation)."""
         if kind not in FORMATS:
             raise ValueError(f"GGUF type {kind} has no quantized kernel (supported: {', '.join(FORMATS)})")
-        _, hb, block = FORMATS[kind]
+        _, lo, hb, block = FORMATS[kind]
         if k % block or k % 32:
             raise ValueError(f"{kind} weight with k={k} not a multiple of {block}")
         read = getattr(data, "read", None)
@@ -185,7 +218,7 @@ class QuantWeight:
         planes: dict[str, np.ndarray] = {}
         for r0 in range(0, n, CHUNK_ROWS):  # row chunks: the decoded codes never exist for the whole tensor
             part = read(r0, min(n, r0 + CHUNK_ROWS)).reshape(-1, k // block, block_bytes)
-            for name, a in _planes(kind, part, hb).items():
+            for name, a in _planes(kind, part, lo, hb).items():
                 if name not in planes:
                     planes[name] = np.empty((t, *a.shape[1:]), a.dtype)
                 planes[name][r0 // LANES : r0 // LANES + len(a)] = a

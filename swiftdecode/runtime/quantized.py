@@ -81,6 +81,7 @@ def build(gguf: Path, folder: Path, kernel: QKernel, progress: bool = False) -> 
     processor = _processor(arch, config)
     names = _names(model, arch, config.get_text_config().num_hidden_layers)
     quantized, rest = _split(model, tensors, names)
+    _say_dequantized(gguf, model, rest)
     specs = [(t, _row_order(processor, t.name, int(t.shape[1]))) for t, _, _ in quantized]
     weights = _quant_weights(gguf, folder, specs, progress)
     for t, path, module in quantized:
@@ -132,6 +133,31 @@ def _split(model: nn.Module, tensors: list[TensorInfo], names: dict[str, str]):
         else:
             rest.append((t, path, pname))
     return quantized, rest
+
+
+def _say_dequantized(gguf: Path, model: nn.Module, rest: list[tuple[TensorInfo, str, str]]) -> None:
+    """One stderr line where matrix weights of the file have no kernel (types outside FORMATS, F16/BF16): they are
+    dequantized to float32 and multiplied by torch, at 4 bytes a value (a file of such types takes a multiple of its
+    size in memory)."""
+    from collections import Counter
+
+    matrices = [
+        t
+        for t, path, pname in rest
+        if pname == "weight"
+        and len(t.shape) == 2
+        and t.tensor_type.name != "F32"
+        and isinstance(model.get_submodule(path), nn.Linear | nn.Embedding)
+    ]
+    if not matrices:
+        return
+    kinds = Counter(t.tensor_type.name for t in matrices)
+    gb = sum(4 * t.n_rows * int(t.shape[0]) for t in matrices) / 1e9
+    print(
+        f"swiftdecode: {gguf.name}: no quantized kernel for {', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))} "
+        f"(kernels: {', '.join(FORMATS)}); those tensors are dequantized to float32 ({gb:.1f} GB) and run on torch",
+        file=sys.stderr,
+    )
 
 
 def _quant_weights(

@@ -28,6 +28,12 @@
 //   F_Q4_1, F_Q5_1          y = d u + m                          d, m [T, K/32, 16]
 //   F_Q4_K, F_Q5_K          y = d sc u - dmin mn                 d, dmin [T, K/256, 16]; sc, mn u8 [T, K/32, 16]
 //   F_Q6_K                  y = d sc (u - 32), sc per 16 values  d [T, K/256, 16]; sc i8 [T, K/16, 16]
+//   F_Q3_K                  y = d sc (u - 4), sc per 16 values   d [T, K/256, 16]; sc i8 [T, K/16, 16]
+//   F_IQ4_NL                y = d (v[u] - 128)                   d [T, K/32, 16]
+//   F_IQ4_XS                y = d sc (v[u] - 128)                d [T, K/256, 16]; sc i8 [T, K/32, 16]
+// Q3_K's 3-bit codes keep their low 2 bits in a 2-bit `lo` plane (the layout of hb=2's high plane: 2 loads,
+// bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane. The IQ4 formats keep
+// 4-bit indices in `lo`; unpacking maps them through their codebook v (IQ4_CODES + 128) to 8-bit codes.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -41,7 +47,8 @@
 #include "qgemm.h"
 #include "split.h"
 
-enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7 };
+enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7, F_Q3_K = 8,
+       F_IQ4_NL = 9, F_IQ4_XS = 10 };
 #ifndef SD_ACT_BLOCKS
 #define SD_ACT_BLOCKS 1
 #endif
@@ -68,21 +75,41 @@ struct QX {  // quantized input rows
   int64_t K, M;
 };
 
+// hb: high-bit plane width (8: whole-byte codes in `lo`, no high plane); lo2: 2-bit low codes (else 4-bit);
+// lut: 4-bit indices into the IQ4 codebook; off: the code that means 0; kq: K-quant (d per 256, sc per 32 or
+// 16); mins: a min term; sub16: scales per 16 values; ssc: signed per-32 scales.
 template <int F> struct Fmt;
-template <> struct Fmt<F_Q4_0> { enum { hb = 0, off = 8, kq = 0, mins = 0, sub16 = 0 }; };
-template <> struct Fmt<F_Q4_1> { enum { hb = 0, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
-template <> struct Fmt<F_Q5_0> { enum { hb = 1, off = 16, kq = 0, mins = 0, sub16 = 0 }; };
-template <> struct Fmt<F_Q5_1> { enum { hb = 1, off = 0, kq = 0, mins = 1, sub16 = 0 }; };
-template <> struct Fmt<F_Q8_0> { enum { hb = 8, off = 128, kq = 0, mins = 0, sub16 = 0 }; };
-template <> struct Fmt<F_Q4_K> { enum { hb = 0, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
-template <> struct Fmt<F_Q5_K> { enum { hb = 1, off = 0, kq = 1, mins = 1, sub16 = 0 }; };
-template <> struct Fmt<F_Q6_K> { enum { hb = 2, off = 32, kq = 1, mins = 0, sub16 = 1 }; };
+template <> struct Fmt<F_Q4_0> { enum { hb = 0, lo2 = 0, lut = 0, off = 8, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q4_1> { enum { hb = 0, lo2 = 0, lut = 0, off = 0, kq = 0, mins = 1, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q5_0> { enum { hb = 1, lo2 = 0, lut = 0, off = 16, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q5_1> { enum { hb = 1, lo2 = 0, lut = 0, off = 0, kq = 0, mins = 1, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q8_0> { enum { hb = 8, lo2 = 0, lut = 0, off = 128, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q4_K> { enum { hb = 0, lo2 = 0, lut = 0, off = 0, kq = 1, mins = 1, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q5_K> { enum { hb = 1, lo2 = 0, lut = 0, off = 0, kq = 1, mins = 1, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_Q6_K> { enum { hb = 2, lo2 = 0, lut = 0, off = 32, kq = 1, mins = 0, sub16 = 1, ssc = 0 }; };
+template <> struct Fmt<F_Q3_K> { enum { hb = 1, lo2 = 1, lut = 0, off = 4, kq = 1, mins = 0, sub16 = 1, ssc = 0 }; };
+template <> struct Fmt<F_IQ4_NL> { enum { hb = 0, lo2 = 0, lut = 1, off = 128, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
+template <> struct Fmt<F_IQ4_XS> { enum { hb = 0, lo2 = 0, lut = 1, off = 128, kq = 1, mins = 0, sub16 = 0, ssc = 1 }; };
+template <int F> constexpr bool codes8() { return Fmt<F>::hb == 8 || Fmt<F>::lut; }  // 8-bit codes once unpacked
+template <int F> constexpr int lo_bytes() { return Fmt<F>::hb == 8 ? 8 * LOAD : Fmt<F>::lo2 ? 2 * LOAD : 4 * LOAD; }
+template <int F> constexpr int hi_bytes() { return Fmt<F>::hb == 2 ? 2 * LOAD : Fmt<F>::hb == 1 ? LOAD : 0; }
+// The IQ4 codebook (ggml's kvalues_iq4nl), as signed values; the kernel's codes are these + 128.
+static constexpr int8_t IQ4_CODES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+struct Iq4Tables {  // the codes (IQ4_CODES + 128), and their low and high nibbles (AVX2's split dot products)
+  uint8_t u8[16], lo[16], hi[16];
+};
+static constexpr Iq4Tables iq4_tables() {
+  Iq4Tables t{};
+  for (int i = 0; i < 16; i++) t.u8[i] = (uint8_t)(IQ4_CODES[i] + 128), t.lo[i] = t.u8[i] & 15, t.hi[i] = t.u8[i] >> 4;
+  return t;
+}
+static constexpr Iq4Tables IQ4 = iq4_tables();
 // The per-16 offset format's offset (Q6_K): -OFF16 * (sum of 16 values' q) is formed once per input row and
 // starts that half block's chain, instead of a broadcast, a multiply and a subtraction per row, block and tile
 // (with its high bits merged by one ternary-logic op each: Q6_K products of 8-16 rows 0.83-0.87x, weights in
 // cache, Zen 4).
 #define OFF16 32
-static_assert(Fmt<F_Q6_K>::off == OFF16, "Q6_K's offset is the per-16 term's");
+static_assert(Fmt<F_Q6_K>::off == OFF16 && OFF16 % Fmt<F_Q3_K>::off == 0, "per-16 terms derive from OFF16's");
 // The offsets of the whole-block offset formats (Q4_0, Q5_0, Q8_0). Their term -off * (sum of a block's q) is
 // formed once per input row and block and starts the dot product's chain, instead of a scalar multiply, a
 // broadcast and a subtraction per output tile (products of 8 rows 0.93x; whole forwards of 8 rows 0.96-1.00x,
@@ -108,11 +135,11 @@ static inline void with_format(int fmt, Fn&& fn) {
     case F_Q4_K: fn(std::integral_constant<int, F_Q4_K>()); break;
     case F_Q5_K: fn(std::integral_constant<int, F_Q5_K>()); break;
     case F_Q6_K: fn(std::integral_constant<int, F_Q6_K>()); break;
+    case F_Q3_K: fn(std::integral_constant<int, F_Q3_K>()); break;
+    case F_IQ4_NL: fn(std::integral_constant<int, F_IQ4_NL>()); break;
+    case F_IQ4_XS: fn(std::integral_constant<int, F_IQ4_XS>()); break;
   }
 }
-
-static inline int lo_bytes(int hb) { return hb == 8 ? 8 * LOAD : 4 * LOAD; }
-static inline int hi_bytes(int hb) { return hb == 2 ? 2 * LOAD : hb == 1 ? LOAD : 0; }
 
 // ------------------------------------------------------------------ vector traits: W lanes of a 16-lane tile
 #if defined(SD_AVX512)
@@ -125,6 +152,8 @@ static inline vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
 static inline vi srl16(vi a, int n) { return _mm512_srli_epi16(a, n); }
 static inline vi sll16(vi a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm512_set1_epi8((char)v); }
+static inline vi bcast16(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)); }
+static inline vi shuf(vi table, vi idx) { return _mm512_shuffle_epi8(table, idx); }  // per 16-byte lane
 static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
@@ -187,6 +216,8 @@ static inline vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
 static inline vi srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 static inline vi sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
 static inline vi set8(int v) { return _mm256_set1_epi8((char)v); }
+static inline vi bcast16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p)); }
+static inline vi shuf(vi table, vi idx) { return _mm256_shuffle_epi8(table, idx); }  // per 16-byte lane
 static inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
 static inline vi bcast4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 #if defined(SD_AVXVNNI)
@@ -280,10 +311,18 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
     }
     return;
   }
-  for (int h = 0; h < 4; h++) {
-    vi v = ld(lo + h * LOAD + e * 4);
-    u[2 * h] = and_(v, m4);
-    u[2 * h + 1] = and_(srl16(v, 4), m4);
+  if (Fmt<F>::lo2) {  // 2-bit codes: load p, bits 2s of each byte -> group 4p + s
+    const vi m3 = set8(3);
+    for (int p = 0; p < 2; p++) {
+      vi v = ld(lo + p * LOAD + e * 4);
+      for (int s = 0; s < 4; s++) u[4 * p + s] = and_(s ? srl16(v, 2 * s) : v, m3);
+    }
+  } else {
+    for (int h = 0; h < 4; h++) {
+      vi v = ld(lo + h * LOAD + e * 4);
+      u[2 * h] = and_(v, m4);
+      u[2 * h + 1] = and_(srl16(v, 4), m4);
+    }
   }
   if (Fmt<F>::hb == 2) {
 #if defined(SD_AVX512)  // bits 2s..2s+1 of each byte shifted to bits 4-5 and merged in one ternary-logic op
@@ -302,13 +341,23 @@ __attribute__((always_inline)) static inline void unpack(const uint8_t* lo, cons
       for (int s = 0; s < 4; s++) u[4 * p + s] = or_(u[4 * p + s], sll16(and_(srl16(v, 2 * s), m2), 4));
     }
 #endif
-  } else if (Fmt<F>::hb == 1) {
+  } else if (Fmt<F>::hb == 1) {  // the bit above the low codes: bit 4, or bit 2 above 2-bit codes
+    constexpr int at = Fmt<F>::lo2 ? 2 : 4;
     vi v = ld(hi + e * 4);
-#if defined(SD_AVX512)  // bit g of each byte -> +16 on group g's codes: a mask test and a masked add
-    for (int g = 0; g < 8; g++) u[g] = _mm512_mask_add_epi8(u[g], _mm512_test_epi8_mask(v, set8(1 << g)), u[g], set8(16));
+#if defined(SD_AVX512)  // bit g of each byte -> +2^at on group g's codes: a mask test and a masked add
+    for (int g = 0; g < 8; g++) u[g] = _mm512_mask_add_epi8(u[g], _mm512_test_epi8_mask(v, set8(1 << g)), u[g], set8(1 << at));
 #else
     const vi m1 = set8(1);
-    for (int g = 0; g < 8; g++) u[g] = or_(u[g], sll16(and_(srl16(v, g), m1), 4));
+    for (int g = 0; g < 8; g++) u[g] = or_(u[g], sll16(and_(srl16(v, g), m1), at));
+#endif
+  }
+  if (Fmt<F>::lut) {  // indices -> codebook codes (AVX2: their nibbles, as its 8-bit codes)
+#if defined(SD_VNNI)
+    const vi t = bcast16(IQ4.u8);
+    for (int g = 0; g < 8; g++) u[g] = shuf(t, u[g]);
+#else
+    const vi tl = bcast16(IQ4.lo), th = bcast16(IQ4.hi);
+    for (int g = 0; g < 8; g++) uh[g] = shuf(th, u[g]), u[g] = shuf(tl, u[g]);
 #endif
   }
   (void)uh;
@@ -353,7 +402,7 @@ __attribute__((always_inline)) static inline vi chunk32(const vi u[8], const int
 template <int F>
 __attribute__((always_inline)) static inline void block_dot(const vi u[8], const vi uh[8], const int8_t* xq, vi s[2],
                                                            const vi init[2]) {
-  constexpr int C = Fmt<F>::hb == 1 ? 4 : Fmt<F>::hb == 2 ? 2 : 8;  // hb = 8: u and uh are nibbles
+  constexpr int C = Fmt<F>::sub16 ? 2 : Fmt<F>::hb == 1 ? 4 : 8;  // 8-bit codes: u and uh are nibbles
   vi p[4];
   if constexpr (C == 8) {
     p[0] = chunk32<0, 8>(u, xq);
@@ -367,7 +416,7 @@ __attribute__((always_inline)) static inline void block_dot(const vi u[8], const
     p[0] = chunk32<0, 2>(u, xq), p[1] = chunk32<2, 2>(u, xq);
     p[2] = chunk32<4, 2>(u, xq), p[3] = chunk32<6, 2>(u, xq);
   }
-  if (Fmt<F>::hb == 8) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
+  if (codes8<F>()) p[0] = addi(p[0], slli32(chunk32<0, 8>(uh, xq), 4));
   if (Fmt<F>::sub16) {
     s[0] = addi(addi(p[0], p[1]), init[0]);
     s[1] = addi(addi(p[2], p[3]), init[1]);
@@ -384,9 +433,9 @@ __attribute__((always_inline)) static inline void block_init(const QX& x, int64_
   const int64_t nb = x.K / 32;
   constexpr int plane = off_plane<F>();
   init[0] = init[1] = izero();
-  if (Fmt<F>::sub16) {  // Q6_K: each 16 values' offset term begins their chain
-    init[0] = seti(x.noff16[m * 2 * nb + 2 * blk]);
-    init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1]);
+  if (Fmt<F>::sub16) {  // Q6_K, Q3_K: each 16 values' offset term begins their chain (exact: OFF16 / off divides it)
+    init[0] = seti(x.noff16[m * 2 * nb + 2 * blk] / (OFF16 / Fmt<F>::off));
+    init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1] / (OFF16 / Fmt<F>::off));
   } else if (plane >= 0) {  // a whole-block offset term begins the block's chain
     init[0] = seti(x.noff[(plane * x.M + m) * nb + blk]);
   }
@@ -439,8 +488,8 @@ __attribute__((always_inline)) static inline void block_scales(const QW& w, int6
       a0 = fmul(d, s2f(sc));
       a1 = fmul(d, s2f(sc + LANES));
     } else {
-      a0 = fmul(d, u2f(w.sc + tb * LANES + e));
-      bm = fmul(h2f(w.d2 + ts * LANES + e), u2f(w.mn + tb * LANES + e));
+      a0 = fmul(d, Fmt<F>::ssc ? s2f(w.sc + tb * LANES + e) : u2f(w.sc + tb * LANES + e));
+      if (Fmt<F>::mins) bm = fmul(h2f(w.d2 + ts * LANES + e), u2f(w.mn + tb * LANES + e));
     }
   } else {
     a0 = h2f(w.d + tb * LANES + e);
@@ -455,7 +504,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
                                                             int rows, vf* acc) {
   const int64_t tb = t * (w.K / 32) + blk;
   vi u[8], uh[8];
-  unpack<F>(w.lo + tb * lo_bytes(Fmt<F>::hb), w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, e, u, uh);
+  unpack<F>(w.lo + tb * lo_bytes<F>(), w.hi ? w.hi + tb * hi_bytes<F>() : nullptr, e, u, uh);
   vf a0, a1, bm;
   block_scales<F>(w, t, blk, e, a0, a1, bm);
   if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K (unrolled, it spills)
@@ -471,7 +520,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
 // near a tile's end this runs on into tile t + 1).
 template <int F>
 __attribute__((always_inline)) static inline void prefetch_ahead(const QW& w, int64_t t, int64_t blk) {
-  const int pf_lo = lo_bytes(Fmt<F>::hb), pf_hi = hi_bytes(Fmt<F>::hb);
+  const int pf_lo = lo_bytes<F>(), pf_hi = hi_bytes<F>();
   const int64_t ahead = t * (w.K / 32) + blk + PREFETCH_BLOCKS;
   for (int c = 0; c < pf_lo; c += 64) _mm_prefetch((const char*)(w.lo + ahead * pf_lo + c), _MM_HINT_T0);
   for (int c = 0; c < pf_hi; c += 64) _mm_prefetch((const char*)(w.hi + ahead * pf_hi + c), _MM_HINT_T0);
@@ -711,43 +760,51 @@ extern "C" double SD_EXPORT(sd_loop_macs, SD_ISA)(int fmt, int64_t reps, int nth
   return best;
 }
 
-// The weight's values of rows `rows` -> out [nrows, K] fp32, computed as GGUF's reference dequantization does
-// (the float32 operations in the same order), for embedding lookups. Scalar: a handful of rows per call.
+// Code of value 4g + tt of 32-block tb (tile-major index) in lane j, as the planes hold it (before the codebook).
+template <int F>
+static inline int code_at(const QWDesc* wd, int64_t tb, int j, int g, int tt) {
+  const uint8_t* lo = wd->lo + tb * lo_bytes<F>() + j * 4 + tt;
+  const uint8_t* hi = Fmt<F>::hb == 1 || Fmt<F>::hb == 2 ? wd->hi + tb * hi_bytes<F>() + j * 4 + tt : nullptr;
+  if (Fmt<F>::hb == 8) return lo[g * LOAD];
+  if (Fmt<F>::lo2) return ((lo[(g / 4) * LOAD] >> (2 * (g % 4))) & 3) | (((hi[0] >> g) & 1) << 2);
+  int u = (lo[(g / 2) * LOAD] >> (4 * (g & 1))) & 15;
+  if (Fmt<F>::hb == 2) u |= ((hi[(g / 4) * LOAD] >> (2 * (g % 4))) & 3) << 4;
+  if (Fmt<F>::hb == 1) u |= ((hi[0] >> g) & 1) << 4;
+  return u;
+}
+
+// Row n of the weight -> out [K] fp32, computed as GGUF's reference dequantization does (the float32 operations
+// in the same order).
+template <int F>
+static void dequant_row(const QWDesc* wd, int64_t n, float* out) {
+  const int64_t K = wd->K, nb = K / 32, t = n / LANES;
+  const int j = (int)(n % LANES);
+  for (int64_t k = 0; k < K; k++) {
+    const int64_t blk = k / 32, tb = t * nb + blk, ts = t * (K / 256) + blk / 8;
+    int u = code_at<F>(wd, tb, j, (int)(k % 32) / 4, (int)(k % 4));
+    if (Fmt<F>::lut) u = IQ4.u8[u];
+    const float d = _cvtsh_ss(wd->d[(Fmt<F>::kq ? ts : tb) * LANES + j]);
+    float v;
+    if (Fmt<F>::sub16) {
+      v = (d * (float)(int8_t)wd->sc[(t * (K / 16) + k / 16) * LANES + j]) * (float)(u - Fmt<F>::off);
+    } else if (Fmt<F>::kq && Fmt<F>::mins) {
+      v = (d * (float)wd->sc[tb * LANES + j]) * (float)u - _cvtsh_ss(wd->d2[ts * LANES + j]) * (float)wd->mn[tb * LANES + j];
+    } else if (Fmt<F>::kq) {
+      v = (d * (float)(int8_t)wd->sc[tb * LANES + j]) * (float)(u - Fmt<F>::off);
+    } else if (Fmt<F>::mins) {
+      v = d * (float)u + _cvtsh_ss(wd->d2[tb * LANES + j]);
+    } else {
+      v = d * (float)(u - Fmt<F>::off);
+    }
+    out[k] = v;
+  }
+}
+
+// The weight's values of rows `rows` -> out [nrows, K] fp32 (dequant_row), for embedding lookups. Scalar: a
+// handful of rows per call.
 extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64_t* rows, int64_t nrows,
                                                  float* out) {
-  const int fmt = (int)wd->fmt;
-  const uint8_t *lo = wd->lo, *hi = wd->hi, *sc = wd->sc, *mn = wd->mn;
-  const uint16_t *d = wd->d, *d2 = wd->d2;
-  const int64_t K = wd->K;
-  int hb = 0;
-  with_format(fmt, [&](auto f) { hb = Fmt<decltype(f)::value>::hb; });
-  const int64_t nb = K / 32;
-  for (int64_t r = 0; r < nrows; r++) {
-    const int64_t n = rows[r], t = n / LANES, j = n % LANES;
-    for (int64_t k = 0; k < K; k++) {
-      const int64_t blk = k / 32, tb = t * nb + blk;
-      const int g = (int)(k % 32) / 4, tt = (int)(k % 4);
-      int u = hb == 8 ? lo[tb * 8 * LOAD + g * LOAD + j * 4 + tt]
-                      : (lo[tb * 4 * LOAD + (g / 2) * LOAD + j * 4 + tt] >> (4 * (g & 1))) & 15;
-      if (hb == 2) u |= ((hi[tb * 2 * LOAD + (g / 4) * LOAD + j * 4 + tt] >> (2 * (g % 4))) & 3) << 4;
-      if (hb == 1) u |= ((hi[tb * LOAD + j * 4 + tt] >> g) & 1) << 4;
-      const int64_t ts = t * (K / 256) + blk / 8;
-      float v;
-      switch (fmt) {
-        case F_Q4_0: case F_Q5_0: case F_Q8_0:
-          v = _cvtsh_ss(d[tb * LANES + j]) * (float)(u - (fmt == F_Q4_0 ? 8 : fmt == F_Q5_0 ? 16 : 128));
-          break;
-        case F_Q4_1: case F_Q5_1:
-          v = _cvtsh_ss(d[tb * LANES + j]) * (float)u + _cvtsh_ss(d2[tb * LANES + j]);
-          break;
-        case F_Q6_K:
-          v = (_cvtsh_ss(d[ts * LANES + j]) * (float)(int8_t)sc[(t * (K / 16) + k / 16) * LANES + j]) * (float)(u - 32);
-          break;
-        default:  // Q4_K, Q5_K
-          v = (_cvtsh_ss(d[ts * LANES + j]) * (float)sc[tb * LANES + j]) * (float)u -
-              _cvtsh_ss(d2[ts * LANES + j]) * (float)mn[tb * LANES + j];
-      }
-      out[r * K + k] = v;
-    }
-  }
+  with_format((int)wd->fmt, [&](auto f) {
+    for (int64_t r = 0; r < nrows; r++) dequant_row<decltype(f)::value>(wd, rows[r], out + r * wd->K);
+  });
 }

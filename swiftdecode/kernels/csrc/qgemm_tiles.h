@@ -47,9 +47,9 @@ static inline int64_t pad_rows(int64_t M, int rc) { return (M + rc - 1) / rc * r
 // B0 (and B1) = the unsigned codes of block tb of a row tile.
 template <int F>
 __attribute__((always_inline)) static inline void load_codes(const QW& w, int64_t tb, TileScratch& s) {
-  if (Fmt<F>::hb == 8) return tile_load<T_B0>(w.lo + tb * lo_bytes(8), LOAD);
+  if (Fmt<F>::hb == 8) return tile_load<T_B0>(w.lo + tb * lo_bytes<F>(), LOAD);
   vi u[8], uh[8];
-  unpack<F>(w.lo + tb * lo_bytes(Fmt<F>::hb), w.hi ? w.hi + tb * hi_bytes(Fmt<F>::hb) : nullptr, 0, u, uh);
+  unpack<F>(w.lo + tb * lo_bytes<F>(), w.hi ? w.hi + tb * hi_bytes<F>() : nullptr, 0, u, uh);
   for (int g = 0; g < 8; g++)  // Q6_K: groups 4-7 to B1 (their B0 rows and B1's rows 0-3 stay zero)
     _mm512_store_si512((void*)s.b[Fmt<F>::sub16 && g >= 4][g], u[g]);
   tile_load<T_B0>(s.b[0], LOAD);
