@@ -133,7 +133,7 @@ def test_q4_k_m_follows_llama_cpps_recipe():
     assert q8_0 == {Q.F32, Q.Q8_0}
 
 
-def test_q3_k_m_and_iq4_xs_follow_llama_cpps_recipes():
+def test_the_other_mixes_follow_llama_cpps_recipes():
     q3 = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.2-3b"], "q3_k_m", 128256)}
     assert q3["token_embd.weight"] == Q.Q6_K  # tied: the output's type
     assert [q3[f"blk.{i}.attn_v.weight"] for i in range(3)] == [Q.Q5_K, Q.Q5_K, Q.Q4_K]
@@ -147,6 +147,10 @@ def test_q3_k_m_and_iq4_xs_follow_llama_cpps_recipes():
     assert qwen["blk.9.attn_v.weight"] == Q.Q5_K and qwen["output.weight"] == Q.Q6_K  # GQA 4: more bits for v
     gemma = {t.name: t.qtype for t in tensor_plan(SHAPES["gemma-3-1b"], "iq4_xs", 262144)}
     assert gemma["blk.9.attn_q.weight"] == Q.IQ4_NL  # 1152 columns: 32-value blocks
+    assert gemma["blk.9.attn_v.weight"] == Q.Q5_1  # GQA 4: Q5_K, which 1152 columns turn into Q5_1
+    q5 = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], "q5_k_m", 128256)}
+    assert (q5["blk.0.attn_v.weight"], q5["blk.5.attn_v.weight"], q5["blk.5.ffn_up.weight"]) == (Q.Q6_K, Q.Q5_K, Q.Q5_K)
+    assert {t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], "q6_k", 128256)} == {Q.F32, Q.Q6_K}
 
 
 def test_published_shapes_have_their_parameter_counts():

@@ -48,6 +48,8 @@ GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention and final logit caps of every publis
 FORMATS = {
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
     "q3_k_m": (Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
@@ -77,6 +79,8 @@ class Layout:
 LAYOUTS = {
     Q.Q4_0: Layout((0,), (1.0,), math.sqrt(21.5)),  # d * (q - 8), q 4-bit: E[(q-8)^2] = 21.5
     Q.Q5_0: Layout((0,), (1.0,), math.sqrt(85.5)),  # d * (q - 16), q 5-bit
+    Q.Q4_1: Layout((0, 2), (1.0, -7.5), math.sqrt(21.25)),  # d * q + m, q 4-bit: m = -7.5 d centres the weights
+    Q.Q5_1: Layout((0, 2), (1.0, -15.5), math.sqrt(85.25)),  # d * q + m, q 5-bit
     Q.Q8_0: Layout((0,), (1.0,), math.sqrt(5461.5)),  # d * q, q int8
     # d * sc * q - dmin * m with 6-bit sc, m and 4-bit q; dmin = 7.5 d centres the weights on 0
     Q.Q4_K: Layout((0, 2), (1.0, 7.5), math.sqrt(66727.5)),
@@ -122,7 +126,7 @@ def block_type(s: Shape, kind: MODEL_TENSOR, shape: tuple[int, ...], fmt: str, l
 def _mixed_type(s: Shape, kind: MODEL_TENSOR, fmt: str, layer: int) -> Q | None:
     """The more bits llama.cpp's mixed formats give some layers' tensors (llama-quant.cpp; no imatrix), or None."""
     attn_v, n = kind in (T.ATTN_V, T.ATTN_QKV), s.n_layers
-    if fmt == "q4_k_m" and (attn_v or kind == T.FFN_DOWN) and use_more_bits(layer, n):
+    if fmt in ("q4_k_m", "q5_k_m") and (attn_v or kind == T.FFN_DOWN) and use_more_bits(layer, n):
         return Q.Q6_K
     if fmt == "q3_k_m" and (attn_v or kind in (T.FFN_DOWN, T.ATTN_OUT)):
         first = layer < 2 if attn_v else layer < n // 16 if kind == T.FFN_DOWN else False
