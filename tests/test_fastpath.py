@@ -390,6 +390,8 @@ def test_doctor_reports_both_paths(kernel, smollm):
     assert "speedup" in format_report(d)
     assert d["paths"][d["path"]]["draft_ms"] > 0 and "draft step" in format_report(d)  # half the sublayers skipped
     assert d["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, keys + values, 3 heads of 64, fp16
+    assert d["kv_at_context"] == (8192, 8192 * d["kv_bytes_per_token"])  # its 8,192-token context, no sliding layers
+    assert "one sequence at the model's 8,192-token context holds 0.19 GB" in format_report(d)
     r = d["roofline"]  # SmolLM2's weight products: 30 layers x (q, k, v, o, gate, up, down) + the tied head
     assert r["macs_per_row"] == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576
     assert r["peak_gmacs"] > 0 and r["memory_ms"] == pytest.approx(d["weight_mb"] / d["bandwidth_gbs"])

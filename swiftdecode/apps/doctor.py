@@ -280,6 +280,7 @@ def diagnose(model, fast_path: str = "auto", context: int = 200, repeats: int = 
         "layers_why": why_not(model) or "the torch path" if sm.layer_loop() == "transformers" else None,
         "kv_bytes_per_token": (layout := sm.kv_layout()).bytes(1),
         "kv_sliding": layout.sliding(),
+        "kv_at_context": (sm.max_length, layout.bytes(sm.max_length)),  # one sequence at the model's context length
         "context": context,
         "forward_ms": used["forward_ms"],
         "ratio": used["ratio"],
@@ -313,6 +314,7 @@ LAYER_LOOPS = {
 
 
 SLIDING_NOTE = "; {} sliding-window layers hold at most {} tokens each"  # the KV line's, where a model has them
+CONTEXT_NOTE = "; one sequence at the model's {:,}-token context holds {:.2f} GB"
 
 
 def format_report(d: dict) -> str:
@@ -331,7 +333,8 @@ def format_report(d: dict) -> str:
         f"memory:     {d['bandwidth_gbs']:.1f} GB/s (large tensor copy, read+write)",
         f"weights:    {d['weight_format']}; {d['weight_mb']:.0f} MB read per forward; cache of {d['context']} tokens",
         f"KV cache:   {d['kv_bytes_per_token'] / 1024:.1f} KB per token, all layers (fp16 on quantized weights)"
-        + (SLIDING_NOTE.format(*d["kv_sliding"]) if d.get("kv_sliding") else ""),
+        + (SLIDING_NOTE.format(*d["kv_sliding"]) if d.get("kv_sliding") else "")
+        + CONTEXT_NOTE.format(d["kv_at_context"][0], d["kv_at_context"][1] / 1e9),
         "",
         f"{'path':<16}" + "".join(f"{f'k={k}':>16}" for k in KS) + f"{'GB/s @k=1':>12}",
     ]
