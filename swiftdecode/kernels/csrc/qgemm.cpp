@@ -507,7 +507,7 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
   unpack<F>(w.lo + tb * lo_bytes<F>(), w.hi ? w.hi + tb * hi_bytes<F>() : nullptr, e, u, uh);
   vf a0, a1, bm;
   block_scales<F>(w, t, blk, e, a0, a1, bm);
-  if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K (unrolled, it spills)
+  if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K/Q3_K (unrolled, they spill)
     for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
   } else {  // unrolled to R, the most rows: the accumulators stay in registers
 #pragma GCC unroll 16

@@ -6,9 +6,9 @@
 // codes, the dword groups TDPBSUD takes; 8-bit codes are tile-loaded straight from the weight planes, narrower
 // ones unpacked by the vector code into a 512-byte buffer in L1). The int32 sums are stored and handed, with
 // the block's offset terms added (integer additions: exact), to scale_block: the same float sequence per
-// (row, lane) as the vector pass, so the tile pass returns the vector builds' bits at any row count. Q6_K
-// sums its two 16-value halves apart: B0 holds the codes of values 0..15 (groups 0-3, groups 4-7 zero), B1
-// those of 16..31, one TDPBSUD each.
+// (row, lane) as the vector pass, so the tile pass returns the vector builds' bits at any row count. The
+// per-16 formats (Q6_K, Q3_K) sum their two 16-value halves apart: B0 holds the codes of values 0..15 (groups
+// 0-3, groups 4-7 zero), B1 those of 16..31, one TDPBSUD each.
 #pragma once
 #include "tiles.h"
 
@@ -50,7 +50,7 @@ __attribute__((always_inline)) static inline void load_codes(const QW& w, int64_
   if (Fmt<F>::hb == 8) return tile_load<T_B0>(w.lo + tb * lo_bytes<F>(), LOAD);
   vi u[8], uh[8];
   unpack<F>(w.lo + tb * lo_bytes<F>(), w.hi ? w.hi + tb * hi_bytes<F>() : nullptr, 0, u, uh);
-  for (int g = 0; g < 8; g++)  // Q6_K: groups 4-7 to B1 (their B0 rows and B1's rows 0-3 stay zero)
+  for (int g = 0; g < 8; g++)  // per-16 formats: groups 4-7 to B1 (their B0 rows and B1's rows 0-3 stay zero)
     _mm512_store_si512((void*)s.b[Fmt<F>::sub16 && g >= 4][g], u[g]);
   tile_load<T_B0>(s.b[0], LOAD);
   if (Fmt<F>::sub16) tile_load<T_B1>(s.b[1], LOAD);
