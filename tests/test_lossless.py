@@ -3,6 +3,7 @@ with zero tolerance; how far `ar` agrees with transformers' own `generate` is me
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import pick_prompts
@@ -193,3 +194,66 @@ def test_the_amx_build_is_lossless_on_a_real_model(smollm):
     want = Generator(default, tok, method="ar").generate(prompt, max_new_tokens=24).token_ids
     for method in ("ar", "swift", "suffix", "skip-only"):
         assert Generator(model, tok, method=method).generate(prompt, max_new_tokens=24).token_ids == want, method
+
+
+IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]  # ggml's kvalues_iq4nl
+
+
+def iq4_nl_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> IQ4_NL blocks [n, row bytes]: per 32 values d = (the largest magnitude) / -127, each value
+    the nearest of d x the codebook (llama.cpp's first guess, without its search)."""
+    x = w.reshape(-1, 32)
+    d = (x[np.arange(len(x)), np.abs(x).argmax(1)] / -127).astype(np.float16)
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1).astype(np.float32), 0)[:, None, None]
+    q = np.abs(x[:, :, None] * inv - np.array(IQ4_VALUES, np.float32)).argmin(-1).astype(np.uint8)
+    return np.concatenate([d.reshape(-1, 1).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], 1).reshape(len(w), -1)
+
+
+def q3_k_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q3_K blocks [n, row bytes]: per 16 values a scale mapping the largest magnitude to -4,
+    those 6-bit against the block's d, values rounded to -4..3 (llama.cpp's layout, without its search)."""
+    x = w.reshape(-1, 16, 16)
+    s = np.take_along_axis(x, np.abs(x).argmax(2)[..., None], 2)[..., 0] / -4  # [blocks, 16] sub-block scales
+    d = (np.abs(s).max(1) / 32).astype(np.float16)
+    sc = np.clip(np.rint(s / np.where(d != 0, d, 1).astype(np.float32)[:, None]), -32, 31)
+    dl = (d.astype(np.float32)[:, None] * sc)[:, :, None]
+    u = (np.clip(np.rint(x / np.where(dl != 0, dl, 1)), -4, 3) + 4).astype(np.uint8).reshape(-1, 2, 4, 32)
+    qs = sum((u[:, :, j] & 3) << (2 * j) for j in range(4)).reshape(-1, 64)  # value 128h + 32j + l -> qs[32h + l]
+    hm = sum((u[:, h, j] >> 2) << (4 * h + j) for h in range(2) for j in range(4))  # ... its bit 2: hmask[l]
+    s6 = (sc + 32).astype(np.uint8)
+    lo = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    hi = sum((s6[:, 4 * g : 4 * g + 4] >> 4) << (2 * g) for g in range(4))
+    blocks = [hm.astype(np.uint8), qs.astype(np.uint8), lo, hi.astype(np.uint8), d.reshape(-1, 1).view(np.uint8)]
+    return np.concatenate(blocks, 1).reshape(len(w), -1)
+
+
+def test_real_weights_in_iq4_nl_and_q3_k_are_lossless():
+    """SmolLM2-135M's real weights requantized: every layer's projections to IQ4_NL, the down projections (the
+    only ones 256-value blocks divide) to Q3_K; the blocks decode (gguf's reference) near the weights, and every
+    method is token-identical to `ar` on them, zero tolerance."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    import swiftdecode
+    from swiftdecode.kernels.modules import QuantLinear
+    from swiftdecode.kernels.qweight import QuantWeight
+
+    model, tok = swiftdecode.load("smollm2-135m", progress=False)
+    for layer in model.model.layers:
+        for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            (layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        ]:
+            old = getattr(parent, name)
+            w = old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
+            kind = "Q3_K" if name == "down_proj" else "IQ4_NL"
+            blocks = (q3_k_blocks if kind == "Q3_K" else iq4_nl_blocks)(w)
+            back = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
+            assert np.linalg.norm(back - w) < (0.25 if kind == "Q3_K" else 0.12) * np.linalg.norm(w), (name, kind)
+            new = QuantWeight.from_gguf(kind, blocks, *w.shape)
+            setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
+    prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):", "The capital of"]
+    for prompt in prompts:
+        want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=48).token_ids
+        for method in ("swift", "suffix", "skip-only"):
+            got = Generator(model, tok, method=method).generate(prompt, max_new_tokens=48).token_ids
+            assert got == want, (method, prompt)
