@@ -285,12 +285,12 @@ def test_windowed_masks_are_the_transformers_paths():
             assert torch.equal(windowed(full, positions, window), want), (visible, window)
 
 
-@pytest.mark.parametrize("fmt", ["q3_k_m", "iq4_xs"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k_m", "iq4_xs"])
 def test_low_bit_formats_run_natively_close_to_transformers(fmt, tmp_path):
-    """A Q3_K_M and an IQ4_XS file (llama.cpp's mixes: Q3_K with Q4_K/Q5_K, IQ4_XS with Q5_K, Q6_K heads) keep every
-    projection in its own blocks on the native loop, stay within the parity bounds of transformers' float32
-    forward of the same blocks, and keep the invariants: k rows are k one-row forwards bit for bit, and every
-    method is token-identical to `ar`."""
+    """Q2_K, Q3_K_M and IQ4_XS files (llama.cpp's mixes: Q2_K with Q3_K, Q3_K with Q4_K/Q5_K, IQ4_XS with Q5_K;
+    Q6_K heads) keep every projection in its own blocks on the native loop, stay within the parity bounds of
+    transformers' float32 forward of the same blocks, and keep the invariants: k rows are k one-row forwards bit
+    for bit, and every method is token-identical to `ar`."""
     import swiftdecode
     from swiftdecode.hub import locate_gguf
     from swiftdecode.hub.synth import write
@@ -300,7 +300,7 @@ def test_low_bit_formats_run_natively_close_to_transformers(fmt, tmp_path):
     path = write("tiny-llama3", tmp_path / f"{fmt}.gguf", fmt, tokenizer_from=tokenizer)
     model, tok = swiftdecode.load(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
     kinds = {m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear)}
-    assert kinds >= ({"Q3_K", "Q4_K", "Q5_K"} if fmt == "q3_k_m" else {"IQ4_XS"}), kinds
+    assert kinds >= {"q2_k": {"Q2_K", "Q3_K"}, "q3_k_m": {"Q3_K", "Q4_K", "Q5_K"}, "iq4_xs": {"IQ4_XS"}}[fmt], kinds
     assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())  # nothing dequantized
     sm, ids = SwiftModel(model), list(range(300, 340))
     assert sm.layer_loop() == "native"

@@ -209,6 +209,27 @@ def iq4_nl_blocks(w: np.ndarray) -> np.ndarray:
     return np.concatenate([d.reshape(-1, 1).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], 1).reshape(len(w), -1)
 
 
+def _two_bit(u: np.ndarray) -> np.ndarray:
+    """2-bit codes [blocks, 2, 4, 32] (value 128h + 32j + l) -> [blocks, 64] bytes, at bits 2j of byte 32h + l."""
+    return sum(u[:, :, j] << (2 * j) for j in range(4)).reshape(-1, 64).astype(np.uint8)
+
+
+def q2_k_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q2_K blocks [n, row bytes]: per 16 values a scale and a min (4-bit against the block's d
+    and dmin) spanning their range in 4 steps (llama.cpp's layout, without its search)."""
+    x = w.reshape(-1, 16, 16)
+    low = np.minimum(x.min(2), 0)
+    step = (x.max(2) - low) / 3
+    d, dmin = (step.max(1) / 15).astype(np.float16), (-low.min(1) / 15).astype(np.float16)
+    sc = np.clip(np.rint(step / np.where(d != 0, d, 1).astype(np.float32)[:, None]), 0, 15)
+    mn = np.clip(np.rint(-low / np.where(dmin != 0, dmin, 1).astype(np.float32)[:, None]), 0, 15)
+    dl, ml = (d.astype(np.float32)[:, None] * sc)[..., None], (dmin.astype(np.float32)[:, None] * mn)[..., None]
+    u = np.clip(np.rint((x + ml) / np.where(dl != 0, dl, 1)), 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)
+    scales = (sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)).reshape(-1, 16)
+    blocks = [scales, _two_bit(u), d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8)]
+    return np.concatenate(blocks, 1).reshape(len(w), -1)
+
+
 def q3_k_blocks(w: np.ndarray) -> np.ndarray:
     """float32 [n, k] -> Q3_K blocks [n, row bytes]: per 16 values a scale mapping the largest magnitude to -4,
     those 6-bit against the block's d, values rounded to -4..3 (llama.cpp's layout, without its search)."""
@@ -218,19 +239,19 @@ def q3_k_blocks(w: np.ndarray) -> np.ndarray:
     sc = np.clip(np.rint(s / np.where(d != 0, d, 1).astype(np.float32)[:, None]), -32, 31)
     dl = (d.astype(np.float32)[:, None] * sc)[:, :, None]
     u = (np.clip(np.rint(x / np.where(dl != 0, dl, 1)), -4, 3) + 4).astype(np.uint8).reshape(-1, 2, 4, 32)
-    qs = sum((u[:, :, j] & 3) << (2 * j) for j in range(4)).reshape(-1, 64)  # value 128h + 32j + l -> qs[32h + l]
-    hm = sum((u[:, h, j] >> 2) << (4 * h + j) for h in range(2) for j in range(4))  # ... its bit 2: hmask[l]
+    qs = _two_bit(u & 3)
+    hm = sum((u[:, h, j] >> 2) << (4 * h + j) for h in range(2) for j in range(4))  # bit 2 of value 128h + 32j + l
     s6 = (sc + 32).astype(np.uint8)
     lo = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
     hi = sum((s6[:, 4 * g : 4 * g + 4] >> 4) << (2 * g) for g in range(4))
-    blocks = [hm.astype(np.uint8), qs.astype(np.uint8), lo, hi.astype(np.uint8), d.reshape(-1, 1).view(np.uint8)]
+    blocks = [hm.astype(np.uint8), qs, lo, hi.astype(np.uint8), d.reshape(-1, 1).view(np.uint8)]
     return np.concatenate(blocks, 1).reshape(len(w), -1)
 
 
-def test_real_weights_in_iq4_nl_and_q3_k_are_lossless():
+def test_real_weights_in_iq4_nl_q3_k_and_q2_k_are_lossless():
     """SmolLM2-135M's real weights requantized: every layer's projections to IQ4_NL, the down projections (the
-    only ones 256-value blocks divide) to Q3_K; the blocks decode (gguf's reference) near the weights, and every
-    method is token-identical to `ar` on them, zero tolerance."""
+    only ones 256-value blocks divide) to Q3_K in even layers and Q2_K in odd ones; the blocks decode (gguf's
+    reference) near the weights, and every method is token-identical to `ar` on them, zero tolerance."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -239,16 +260,18 @@ def test_real_weights_in_iq4_nl_and_q3_k_are_lossless():
     from swiftdecode.kernels.qweight import QuantWeight
 
     model, tok = swiftdecode.load("smollm2-135m", progress=False)
-    for layer in model.model.layers:
+    quantizers = {"IQ4_NL": (iq4_nl_blocks, 0.12), "Q3_K": (q3_k_blocks, 0.25), "Q2_K": (q2_k_blocks, 0.5)}
+    for i, layer in enumerate(model.model.layers):
         for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
             (layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
         ]:
             old = getattr(parent, name)
             w = old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
-            kind = "Q3_K" if name == "down_proj" else "IQ4_NL"
-            blocks = (q3_k_blocks if kind == "Q3_K" else iq4_nl_blocks)(w)
+            kind = ("Q2_K" if i % 2 else "Q3_K") if name == "down_proj" else "IQ4_NL"
+            quantize, error = quantizers[kind]
+            blocks = quantize(w)
             back = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
-            assert np.linalg.norm(back - w) < (0.25 if kind == "Q3_K" else 0.12) * np.linalg.norm(w), (name, kind)
+            assert np.linalg.norm(back - w) < error * np.linalg.norm(w), (name, kind)
             new = QuantWeight.from_gguf(kind, blocks, *w.shape)
             setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
     prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):", "The capital of"]

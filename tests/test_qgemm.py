@@ -26,6 +26,7 @@ FP16_SCALES = {  # byte offsets of each format's fp16 scale fields within a bloc
     "Q3_K": (108,),
     "IQ4_NL": (0,),
     "IQ4_XS": (0,),
+    "Q2_K": (80, 82),
 }
 
 
@@ -178,7 +179,7 @@ def test_row_permutation_is_applied():
 
 def test_unsupported_format_is_a_clear_error():
     with pytest.raises(ValueError, match="no quantized kernel"):
-        QuantWeight.from_gguf("Q2_K", np.zeros((16, 84), np.uint8), 16, 256)
+        QuantWeight.from_gguf("IQ2_XS", np.zeros((16, 74), np.uint8), 16, 256)
 
 
 def test_quantized_model_keeps_weights_quantized(smollm):

@@ -151,6 +151,13 @@ def test_the_other_mixes_follow_llama_cpps_recipes():
     q5 = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], "q5_k_m", 128256)}
     assert (q5["blk.0.attn_v.weight"], q5["blk.5.attn_v.weight"], q5["blk.5.ffn_up.weight"]) == (Q.Q6_K, Q.Q5_K, Q.Q5_K)
     assert {t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], "q6_k", 128256)} == {Q.F32, Q.Q6_K}
+    q2 = {t.name: t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], "q2_k", 128256)}
+    assert (q2["blk.5.attn_v.weight"], q2["blk.5.ffn_down.weight"], q2["blk.5.attn_output.weight"]) == (
+        Q.Q4_K,  # GQA 4
+        Q.Q3_K,
+        Q.Q3_K,
+    )
+    assert q2["blk.5.attn_q.weight"] == q2["token_embd.weight"] == Q.Q2_K and q2["output.weight"] == Q.Q6_K
 
 
 def test_published_shapes_have_their_parameter_counts():

@@ -47,6 +47,7 @@ GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention and final logit caps of every publis
 # --format -> (llama.cpp's default block type for it, general.file_type)
 FORMATS = {
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q2_k": (Q.Q2_K, LlamaFileType.MOSTLY_Q2_K),
     "q3_k_m": (Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
     "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
     "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
@@ -55,7 +56,7 @@ FORMATS = {
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
 # llama.cpp's types for rows that 256-element blocks do not divide
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}
 WEIGHT_RMS = 0.02  # dequantized weights' RMS, as a trained model's init: a forward stays finite through 30+ layers
 NORM_NOISE = 0.02  # norm weights are 1 + N(0, NORM_NOISE) (gemma's GGUF stores its norms with the +1 folded in)
 BIAS_RMS = 0.02  # qwen2's attention biases: N(0, BIAS_RMS)
@@ -85,6 +86,7 @@ LAYOUTS = {
     # d * sc * q - dmin * m with 6-bit sc, m and 4-bit q; dmin = 7.5 d centres the weights on 0
     Q.Q4_K: Layout((0, 2), (1.0, 7.5), math.sqrt(66727.5)),
     Q.Q5_K: Layout((0, 2), (1.0, 15.5), math.sqrt(277651.5)),  # as Q4_K with 5-bit q: dmin = 15.5 d
+    Q.Q2_K: Layout((80, 82), (1.0, 1.5), math.sqrt(192.5)),  # d * sc * q - dmin * m, 4-bit sc, m, 2-bit q
     Q.Q3_K: Layout((108,), (1.0,), math.sqrt(341.5 * 5.5)),  # d * (sc - 32) * (q - 4), sc 6-bit, q 3-bit; d last
     Q.IQ4_NL: Layout((0,), (1.0,), math.sqrt(4548.0)),  # d * v[q], v the 16 codebook values: E[v^2] = 4548
     Q.IQ4_XS: Layout((0,), (1.0,), math.sqrt(341.5 * 4548.0)),  # d * (sc - 32) * v[q], sc 6-bit
@@ -128,6 +130,8 @@ def _mixed_type(s: Shape, kind: MODEL_TENSOR, fmt: str, layer: int) -> Q | None:
     attn_v, n = kind in (T.ATTN_V, T.ATTN_QKV), s.n_layers
     if fmt in ("q4_k_m", "q5_k_m") and (attn_v or kind == T.FFN_DOWN) and use_more_bits(layer, n):
         return Q.Q6_K
+    if fmt == "q2_k" and (attn_v or kind in (T.FFN_DOWN, T.ATTN_OUT)):
+        return Q.Q4_K if attn_v and s.heads // s.kv_heads >= 4 else Q.Q3_K
     if fmt == "q3_k_m" and (attn_v or kind in (T.FFN_DOWN, T.ATTN_OUT)):
         first = layer < 2 if attn_v else layer < n // 16 if kind == T.FFN_DOWN else False
         return Q.Q5_K if first else Q.Q4_K

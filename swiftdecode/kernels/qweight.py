@@ -30,6 +30,7 @@ FORMATS = {
     "Q3_K": (8, 2, 1, 256),
     "IQ4_NL": (9, 4, 0, 32),
     "IQ4_XS": (10, 4, 0, 256),
+    "Q2_K": (11, 2, 0, 256),
 }
 PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
 LAYOUT_VERSION = 1  # of the planes (_planes, csrc/qgemm.cpp): change it with them, so no cached layout reads stale
@@ -68,15 +69,26 @@ def _q3_scales(s: np.ndarray) -> np.ndarray:
     return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
 
 
-def _decode_k3(kind: str, b: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
-    """Q3_K and IQ4_XS blocks [N, nblk, bytes] -> codes [N, nblk, 256], their scales into `out`."""
+def _two_bit(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's 2-bit codes: [N, nblk, 64] bytes -> [N, nblk, 256], value 128h + 32j + l at bits 2j of
+    byte 32h + l."""
+    n, nblk = qs.shape[:2]
+    return ((qs.reshape(n, nblk, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3).reshape(
+        n, nblk, 256
+    )
+
+
+def _decode_low_k(kind: str, b: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
+    """Q2_K, Q3_K and IQ4_XS blocks [N, nblk, bytes] -> codes [N, nblk, 256], their scales into `out`."""
     n, nblk = b.shape[:2]
+    if kind == "Q2_K":  # scale | min << 4 per 16 values, kept as stored
+        out["d"], out["d2"], out["sc"] = _f16(b[..., 80:82]), _f16(b[..., 82:84]), b[..., 0:16].reshape(n, -1)
+        return _two_bit(b[..., 16:80])
     if kind == "Q3_K":  # value 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l] (its 4)
         out["d"] = _f16(b[..., 108:110])
         out["sc"] = _q3_scales(b[..., 96:108]).reshape(n, -1)
-        ql = (b[..., 32:96].reshape(n, nblk, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
         qh = (b[..., 0:32].reshape(n, nblk, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-        return ql.reshape(n, nblk, 256) | (qh.reshape(n, nblk, 256) << 2)
+        return _two_bit(b[..., 32:96]) | (qh.reshape(n, nblk, 256) << 2)
     hs = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0]  # IQ4_XS: 6-bit scales, low nibbles in 4-7
     low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(n, nblk, 8) & 15
     high = (hs[..., None] >> (2 * np.arange(8, dtype=np.uint16))).astype(np.uint8) & 3
@@ -88,8 +100,8 @@ def _decode(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
     """Blocks [N, nblk, bytes] -> codes `u` [N, K] and per-row scale arrays, as GGUF defines each type."""
     n = b.shape[0]
     out: dict[str, np.ndarray] = {"d": _f16(b[..., 0:2])}
-    if kind in ("Q3_K", "IQ4_XS"):
-        u = _decode_k3(kind, b, out)
+    if kind in ("Q2_K", "Q3_K", "IQ4_XS"):
+        u = _decode_low_k(kind, b, out)
     elif kind == "IQ4_NL":
         u = _nibbles(b[..., 2:18])
     elif kind in ("Q4_0", "Q4_1"):

@@ -29,10 +29,11 @@
 //   F_Q4_K, F_Q5_K          y = d sc u - dmin mn                 d, dmin [T, K/256, 16]; sc, mn u8 [T, K/32, 16]
 //   F_Q6_K                  y = d sc (u - 32), sc per 16 values  d [T, K/256, 16]; sc i8 [T, K/16, 16]
 //   F_Q3_K                  y = d sc (u - 4), sc per 16 values   d [T, K/256, 16]; sc i8 [T, K/16, 16]
+//   F_Q2_K                  y = d sc u - dmin mn, per 16 values  d, dmin [T, K/256, 16]; sc | mn << 4 u8 [T, K/16, 16]
 //   F_IQ4_NL                y = d (v[u] - 128)                   d [T, K/32, 16]
 //   F_IQ4_XS                y = d sc (v[u] - 128)                d [T, K/256, 16]; sc i8 [T, K/32, 16]
 // Q3_K's 3-bit codes keep their low 2 bits in a 2-bit `lo` plane (the layout of hb=2's high plane: 2 loads,
-// bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane. The IQ4 formats keep
+// bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane; Q2_K's the 2-bit plane. The IQ4 formats keep
 // 4-bit indices in `lo`; unpacking maps them through their codebook v (IQ4_CODES + 128) to 8-bit codes.
 #include <immintrin.h>
 #include <math.h>
@@ -48,7 +49,7 @@
 #include "split.h"
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7, F_Q3_K = 8,
-       F_IQ4_NL = 9, F_IQ4_XS = 10 };
+       F_IQ4_NL = 9, F_IQ4_XS = 10, F_Q2_K = 11 };
 #ifndef SD_ACT_BLOCKS
 #define SD_ACT_BLOCKS 1
 #endif
@@ -77,7 +78,8 @@ struct QX {  // quantized input rows
 
 // hb: high-bit plane width (8: whole-byte codes in `lo`, no high plane); lo2: 2-bit low codes (else 4-bit);
 // lut: 4-bit indices into the IQ4 codebook; off: the code that means 0; kq: K-quant (d per 256, sc per 32 or
-// 16); mins: a min term; sub16: scales per 16 values; ssc: signed per-32 scales.
+// 16); mins: a min term (per 16 values with sub16: Q2_K's 4-bit scale and min share a byte); sub16: scales per
+// 16 values; ssc: signed per-32 scales.
 template <int F> struct Fmt;
 template <> struct Fmt<F_Q4_0> { enum { hb = 0, lo2 = 0, lut = 0, off = 8, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
 template <> struct Fmt<F_Q4_1> { enum { hb = 0, lo2 = 0, lut = 0, off = 0, kq = 0, mins = 1, sub16 = 0, ssc = 0 }; };
@@ -90,6 +92,7 @@ template <> struct Fmt<F_Q6_K> { enum { hb = 2, lo2 = 0, lut = 0, off = 32, kq =
 template <> struct Fmt<F_Q3_K> { enum { hb = 1, lo2 = 1, lut = 0, off = 4, kq = 1, mins = 0, sub16 = 1, ssc = 0 }; };
 template <> struct Fmt<F_IQ4_NL> { enum { hb = 0, lo2 = 0, lut = 1, off = 128, kq = 0, mins = 0, sub16 = 0, ssc = 0 }; };
 template <> struct Fmt<F_IQ4_XS> { enum { hb = 0, lo2 = 0, lut = 1, off = 128, kq = 1, mins = 0, sub16 = 0, ssc = 1 }; };
+template <> struct Fmt<F_Q2_K> { enum { hb = 0, lo2 = 1, lut = 0, off = 0, kq = 1, mins = 1, sub16 = 1, ssc = 0 }; };
 template <int F> constexpr bool codes8() { return Fmt<F>::hb == 8 || Fmt<F>::lut; }  // 8-bit codes once unpacked
 template <int F> constexpr int lo_bytes() { return Fmt<F>::hb == 8 ? 8 * LOAD : Fmt<F>::lo2 ? 2 * LOAD : 4 * LOAD; }
 template <int F> constexpr int hi_bytes() { return Fmt<F>::hb == 2 ? 2 * LOAD : Fmt<F>::hb == 1 ? LOAD : 0; }
@@ -138,6 +141,7 @@ static inline void with_format(int fmt, Fn&& fn) {
     case F_Q3_K: fn(std::integral_constant<int, F_Q3_K>()); break;
     case F_IQ4_NL: fn(std::integral_constant<int, F_IQ4_NL>()); break;
     case F_IQ4_XS: fn(std::integral_constant<int, F_IQ4_XS>()); break;
+    case F_Q2_K: fn(std::integral_constant<int, F_Q2_K>()); break;
   }
 }
 
@@ -158,6 +162,8 @@ static inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm512_slli_epi32(a, n); }
+static inline vi srli32(vi a, int n) { return _mm512_srli_epi32(a, n); }
+static inline vi u8i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 // acc += u8 x s8 products, 4 per lane, of codes u and the 4 int8 at p broadcast to every lane. The broadcast is
 // the instruction's memory operand ({1to16}), written in asm: GCC emits a vpbroadcastd of its own before each
 // vpdpbusd, and that extra instruction cost the rolled many-row pass 1.2x (32 rows, Xeon; a loop of this step
@@ -235,6 +241,8 @@ static inline vi dot_bcast(vi acc, vi u, const int8_t* p) {
 static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi slli32(vi a, int n) { return _mm256_slli_epi32(a, n); }
+static inline vi srli32(vi a, int n) { return _mm256_srli_epi32(a, n); }
+static inline vi u8i(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf fzero() { return _mm256_setzero_ps(); }
 static inline vf fset(float v) { return _mm256_set1_ps(v); }
@@ -433,12 +441,25 @@ __attribute__((always_inline)) static inline void block_init(const QX& x, int64_
   const int64_t nb = x.K / 32;
   constexpr int plane = off_plane<F>();
   init[0] = init[1] = izero();
-  if (Fmt<F>::sub16) {  // Q6_K, Q3_K: each 16 values' offset term begins their chain (exact: OFF16 / off divides it)
+  if (Fmt<F>::sub16 && Fmt<F>::off) {  // Q6_K, Q3_K: each 16 values' offset term begins their chain (exact: OFF16 / off divides it)
     init[0] = seti(x.noff16[m * 2 * nb + 2 * blk] / (OFF16 / Fmt<F>::off));
     init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1] / (OFF16 / Fmt<F>::off));
   } else if (plane >= 0) {  // a whole-block offset term begins the block's chain
     init[0] = seti(x.noff[(plane * x.M + m) * nb + blk]);
   }
+}
+
+// A block's scales for W lanes: a0 (a1: a per-16 format's second 16 values) multiply the integer sums, b0 (b1)
+// the min terms' sums of q.
+struct BlockScales {
+  vf a0, a1, b0, b1;
+};
+
+// Input row m's sum of q over 16 values h (in the units of the min terms: times d per 32), from the per-16 offset
+// term -OFF16 * sum (exact), for Q2_K's per-16 mins.
+static inline float sum16(const QX& x, int64_t m, int64_t h) {
+  const float s = (float)(x.noff16[m * (x.K / 16) + h] / -OFF16);
+  return ACT_BLOCKS == 1 ? x.d[m * (x.K / 32) + h / 2] * s : s;
 }
 
 // acc += input row m's float contribution of 32-block `blk`, from its exact integer sums s (begun from
@@ -447,54 +468,62 @@ __attribute__((always_inline)) static inline void block_init(const QX& x, int64_
 // which group_end applies once per group. The one float sequence of every build and pass.
 template <int F>
 __attribute__((always_inline)) static inline void scale_block(const QX& x, int64_t blk, int64_t m, const vi s[2],
-                                                             vf a0, vf a1, vf bm, vf& acc) {
+                                                             const BlockScales& k, vf& acc) {
   const int64_t nb = x.K / 32;
+  vf a0 = k.a0, a1 = k.a1;
   if (ACT_BLOCKS == 1) {
     const vf vdx = fset(x.d[m * nb + blk]);
     a0 = fmul(a0, vdx);
     if (Fmt<F>::sub16) a1 = fmul(a1, vdx);
   }
   acc = ffma(a0, cvt(s[0]), acc);
-  if (Fmt<F>::sub16) {
-    acc = ffma(a1, cvt(s[1]), acc);
+  if (Fmt<F>::sub16) acc = ffma(a1, cvt(s[1]), acc);
+  if (Fmt<F>::sub16 && Fmt<F>::mins) {  // Q2_K: each 16 values' min term
+    acc = ffnma(k.b0, fset(sum16(x, m, 2 * blk)), acc);
+    acc = ffnma(k.b1, fset(sum16(x, m, 2 * blk + 1)), acc);
   } else if (Fmt<F>::mins) {
     const vf fsx = fset(x.ds[m * nb + blk]);  // the block's sum of q (times d per 32), a broadcast from memory
-    acc = Fmt<F>::kq ? ffnma(bm, fsx, acc) : ffma(bm, fsx, acc);
+    acc = Fmt<F>::kq ? ffnma(k.b0, fsx, acc) : ffma(k.b0, fsx, acc);
   }
 }
 
 // acc += one input row m's contribution of 32-block `blk`, from the block's unpacked codes and its scales.
 template <int F>
 __attribute__((always_inline)) static inline void row_block(const QX& x, int64_t blk, int64_t m, const vi u[8],
-                                                           const vi uh[8], vf a0, vf a1, vf bm, vf& acc) {
+                                                           const vi uh[8], const BlockScales& k, vf& acc) {
   vi s[2], init[2];
   block_init<F>(x, blk, m, init);
   block_dot<F>(u, uh, x.q + m * x.K + blk * 32, s, init);
-  scale_block<F>(x, blk, m, s, a0, a1, bm, acc);
+  scale_block<F>(x, blk, m, s, k, acc);
 }
 
-// The scales of W lanes of tile `t` from lane e for 32-block `blk`: a0 (a1: Q6_K's second 16 values) multiply
-// the integer sums, bm the min term's sum.
+// The scales of W lanes of tile `t` from lane e for 32-block `blk`.
 template <int F>
-__attribute__((always_inline)) static inline void block_scales(const QW& w, int64_t t, int64_t blk, int e, vf& a0,
-                                                              vf& a1, vf& bm) {
+__attribute__((always_inline)) static inline BlockScales block_scales(const QW& w, int64_t t, int64_t blk, int e) {
   const int64_t tb = t * (w.K / 32) + blk;
-  a1 = bm = fzero();
+  BlockScales k = {fzero(), fzero(), fzero(), fzero()};
   if (Fmt<F>::kq) {
     const int64_t ts = t * (w.K / 256) + blk / 8;
     vf d = h2f(w.d + ts * LANES + e);
-    if (Fmt<F>::sub16) {
+    if (Fmt<F>::sub16 && Fmt<F>::mins) {  // Q2_K: scale | min << 4 per 16 values
       const uint8_t* sc = w.sc + (t * (w.K / 16) + 2 * blk) * LANES + e;
-      a0 = fmul(d, s2f(sc));
-      a1 = fmul(d, s2f(sc + LANES));
+      const vi m15 = seti(15), c0 = u8i(sc), c1 = u8i(sc + LANES);
+      const vf dmin = h2f(w.d2 + ts * LANES + e);
+      k.a0 = fmul(d, cvt(and_(c0, m15))), k.a1 = fmul(d, cvt(and_(c1, m15)));
+      k.b0 = fmul(dmin, cvt(srli32(c0, 4))), k.b1 = fmul(dmin, cvt(srli32(c1, 4)));
+    } else if (Fmt<F>::sub16) {
+      const uint8_t* sc = w.sc + (t * (w.K / 16) + 2 * blk) * LANES + e;
+      k.a0 = fmul(d, s2f(sc));
+      k.a1 = fmul(d, s2f(sc + LANES));
     } else {
-      a0 = fmul(d, Fmt<F>::ssc ? s2f(w.sc + tb * LANES + e) : u2f(w.sc + tb * LANES + e));
-      if (Fmt<F>::mins) bm = fmul(h2f(w.d2 + ts * LANES + e), u2f(w.mn + tb * LANES + e));
+      k.a0 = fmul(d, Fmt<F>::ssc ? s2f(w.sc + tb * LANES + e) : u2f(w.sc + tb * LANES + e));
+      if (Fmt<F>::mins) k.b0 = fmul(h2f(w.d2 + ts * LANES + e), u2f(w.mn + tb * LANES + e));
     }
   } else {
-    a0 = h2f(w.d + tb * LANES + e);
-    if (Fmt<F>::mins) bm = h2f(w.d2 + tb * LANES + e);
+    k.a0 = h2f(w.d + tb * LANES + e);
+    if (Fmt<F>::mins) k.b0 = h2f(w.d2 + tb * LANES + e);
   }
+  return k;
 }
 
 // acc[i] += contribution of 32-block `blk` for input rows m0..m0+rows-1 (rows <= R, or <= RMAX when R = 0), W lanes
@@ -505,14 +534,13 @@ __attribute__((always_inline)) static inline void tile_block(const QW& w, const 
   const int64_t tb = t * (w.K / 32) + blk;
   vi u[8], uh[8];
   unpack<F>(w.lo + tb * lo_bytes<F>(), w.hi ? w.hi + tb * hi_bytes<F>() : nullptr, e, u, uh);
-  vf a0, a1, bm;
-  block_scales<F>(w, t, blk, e, a0, a1, bm);
+  const BlockScales k = block_scales<F>(w, t, blk, e);
   if constexpr (R == 0 || Fmt<F>::sub16) {  // rolled: run-time passes, and Q6_K/Q3_K (unrolled, they spill)
-    for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
+    for (int i = 0; i < rows; i++) row_block<F>(x, blk, m0 + i, u, uh, k, acc[i]);
   } else {  // unrolled to R, the most rows: the accumulators stay in registers
 #pragma GCC unroll 16
     for (int i = 0; i < R; i++)
-      if (i < rows) row_block<F>(x, blk, m0 + i, u, uh, a0, a1, bm, acc[i]);
+      if (i < rows) row_block<F>(x, blk, m0 + i, u, uh, k, acc[i]);
   }
 }
 
@@ -719,18 +747,18 @@ static double loop_rate(int64_t reps, int seed, float* sink) {
   const QX x = {q, d, noff16, ds, noff, K, LOOP_ROWS};
   vi u[8], uh[8];
   for (int g = 0; g < 8; g++) u[g] = uh[g] = set8((seed + g) & 15);
-  const vf a0 = fset(0.5f), a1 = fset(0.25f), bm = fset(0.125f);
+  const BlockScales k = {fset(0.5f), fset(0.25f), fset(0.125f), fset(0.0625f)};
   vf acc[LOOP_ROWS];
   for (int i = 0; i < LOOP_ROWS; i++) acc[i] = fzero();
   const double t0 = omp_get_wtime();
 #if defined(SD_AMX)  // the tile pass's step: sums on tiles, the same scaling
-  if (!tile_loop<F>(x, reps, u, a0, a1, bm, acc)) return -1.0;
+  if (!tile_loop<F>(x, reps, u, k, acc)) return -1.0;
 #else
   for (int64_t r = 0; r < reps; r++)
     for (int64_t blk = 0; blk < nb; blk++) {
       for (int g = 0; g < 8; g++) __asm__ volatile("" : "+v"(u[g]), "+v"(uh[g]));  // codes "change": no hoisting
 #pragma GCC unroll 8
-      for (int i = 0; i < LOOP_ROWS; i++) row_block<F>(x, blk, i, u, uh, a0, a1, bm, acc[i]);
+      for (int i = 0; i < LOOP_ROWS; i++) row_block<F>(x, blk, i, u, uh, k, acc[i]);
     }
 #endif
   const double dt = omp_get_wtime() - t0;
@@ -766,7 +794,7 @@ static inline int code_at(const QWDesc* wd, int64_t tb, int j, int g, int tt) {
   const uint8_t* lo = wd->lo + tb * lo_bytes<F>() + j * 4 + tt;
   const uint8_t* hi = Fmt<F>::hb == 1 || Fmt<F>::hb == 2 ? wd->hi + tb * hi_bytes<F>() + j * 4 + tt : nullptr;
   if (Fmt<F>::hb == 8) return lo[g * LOAD];
-  if (Fmt<F>::lo2) return ((lo[(g / 4) * LOAD] >> (2 * (g % 4))) & 3) | (((hi[0] >> g) & 1) << 2);
+  if (Fmt<F>::lo2) return ((lo[(g / 4) * LOAD] >> (2 * (g % 4))) & 3) | (Fmt<F>::hb ? ((hi[0] >> g) & 1) << 2 : 0);
   int u = (lo[(g / 2) * LOAD] >> (4 * (g & 1))) & 15;
   if (Fmt<F>::hb == 2) u |= ((hi[(g / 4) * LOAD] >> (2 * (g % 4))) & 3) << 4;
   if (Fmt<F>::hb == 1) u |= ((hi[0] >> g) & 1) << 4;
@@ -785,7 +813,10 @@ static void dequant_row(const QWDesc* wd, int64_t n, float* out) {
     if (Fmt<F>::lut) u = IQ4.u8[u];
     const float d = _cvtsh_ss(wd->d[(Fmt<F>::kq ? ts : tb) * LANES + j]);
     float v;
-    if (Fmt<F>::sub16) {
+    if (Fmt<F>::sub16 && Fmt<F>::mins) {
+      const uint8_t sm = wd->sc[(t * (K / 16) + k / 16) * LANES + j];
+      v = (d * (float)(sm & 15)) * (float)u - _cvtsh_ss(wd->d2[ts * LANES + j]) * (float)(sm >> 4);
+    } else if (Fmt<F>::sub16) {
       v = (d * (float)(int8_t)wd->sc[(t * (K / 16) + k / 16) * LANES + j]) * (float)(u - Fmt<F>::off);
     } else if (Fmt<F>::kq && Fmt<F>::mins) {
       v = (d * (float)wd->sc[tb * LANES + j]) * (float)u - _cvtsh_ss(wd->d2[ts * LANES + j]) * (float)wd->mn[tb * LANES + j];

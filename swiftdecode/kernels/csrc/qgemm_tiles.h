@@ -74,14 +74,14 @@ __attribute__((always_inline)) static inline void chunk_sums(const QX& x, int64_
 // scales: scale_block, as in the vector pass.
 template <int F>
 __attribute__((always_inline)) static inline void scale_sums(const QX& x, int64_t blk, int64_t m0, int rows,
-                                                            const TileScratch& s, vf a0, vf a1, vf bm, vf* acc) {
+                                                            const TileScratch& s, const BlockScales& k, vf* acc) {
   for (int i = 0; i < rows; i++) {
     const int c = i / s.rc, r = i % s.rc;
     vi sums[2], init[2];
     block_init<F>(x, blk, m0 + i, init);
     sums[0] = addi(init[0], _mm512_load_si512((const void*)s.c[2 * c][r]));
     sums[1] = Fmt<F>::sub16 ? addi(init[1], _mm512_load_si512((const void*)s.c[2 * c + 1][r])) : izero();
-    scale_block<F>(x, blk, m0 + i, sums, a0, a1, bm, acc[i]);
+    scale_block<F>(x, blk, m0 + i, sums, k, acc[i]);
   }
 }
 
@@ -98,9 +98,7 @@ static void tile_rows_amx(const QW& w, const QX& x, const float* bias, float* y,
     load_codes<F>(w, t * nb + blk, s);
     chunk_sums<F, 0>(x, m0, blk, s);
     if (chunks > 1) chunk_sums<F, 1>(x, m0 + s.rc, blk, s);
-    vf a0, a1, bm;
-    block_scales<F>(w, t, blk, 0, a0, a1, bm);
-    scale_sums<F>(x, blk, m0, rows, s, a0, a1, bm, acc);
+    scale_sums<F>(x, blk, m0, rows, s, block_scales<F>(w, t, blk, 0), acc);
     group_end(x, blk, m0, rows, acc, out);
   }
   store_rows(bias, y, w.N, n0, (int)std::min<int64_t>(w.N - n0, LANES), m0, rows, acc, out);
@@ -117,7 +115,7 @@ static void tiles_all_rows(const QW& w, const QX& x, const float* bias, float* y
 // codes u (unpacked once), sums on tiles and scale_sums into acc; false where the tiles do not take the
 // configuration.
 template <int F>
-static bool tile_loop(const QX& x, int64_t reps, const vi u[8], vf a0, vf a1, vf bm, vf* acc) {
+static bool tile_loop(const QX& x, int64_t reps, const vi u[8], const BlockScales& k, vf* acc) {
   TileScratch s;
   memset(s.b, 0, sizeof s.b);
   s.rc = (int)x.M;
@@ -128,7 +126,7 @@ static bool tile_loop(const QX& x, int64_t reps, const vi u[8], vf a0, vf a1, vf
       tile_load<T_B0>(s.b[0], LOAD);
       if (Fmt<F>::sub16) tile_load<T_B1>(s.b[1], LOAD);
       chunk_sums<F, 0>(x, 0, blk, s);
-      scale_sums<F>(x, blk, 0, (int)x.M, s, a0, a1, bm, acc);
+      scale_sums<F>(x, blk, 0, (int)x.M, s, k, acc);
     }
   tile_release();
   return true;
