@@ -45,15 +45,15 @@ GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6}
 GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention and final logit caps of every published Gemma 2 (config.json)
 
 # --format -> (llama.cpp's default block type for it, general.file_type)
-FORMATS = {
-    "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+FORMATS = {  # fewest bits first
     "q2_k": (Q.Q2_K, LlamaFileType.MOSTLY_Q2_K),
     "q3_k_m": (Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
     "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
     "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
-    "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
 # llama.cpp's types for rows that 256-element blocks do not divide
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}

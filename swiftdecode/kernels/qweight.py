@@ -3,7 +3,7 @@
 `QuantWeight.from_gguf(type, blocks, n, k)` decodes a GGUF tensor's blocks into the kernel's planes: the same
 codes, scales and mins (same bit widths, fp16 scales as stored), with rows interleaved in tiles of 16 lanes so
 one vector load feeds 16 output rows. Memory is the GGUF tensor's size (K-quant 6-bit scales take a byte each:
-+0.7% for Q4_K); nothing is expanded to float32.
++2.8% for Q4_K, +3.6% for Q3_K); nothing is expanded to float32.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _byte_plane(c: np.ndarray, t: int) -> np.ndarray:
 
 def _hi_plane(c: np.ndarray, t: int, hb: int) -> np.ndarray:
     """High bits [N, K] -> the kernel's hb-bit plane (see csrc/qgemm.cpp)."""
-    if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t (also Q3_K's 2-bit lo)
+    if hb == 2:  # [T, K/32, 2, 16, 4]: load p, byte t: bits 2s of value 16p + 4s + t (also Q2_K's, Q3_K's lo)
         x = _tile(c, t).reshape(t, LANES, -1, 2, 4, 4).astype(np.uint8)
         v = sum(x[..., s, :] << (2 * s) for s in range(4)).astype(np.uint8)
         return np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4))
