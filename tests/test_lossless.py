@@ -171,17 +171,22 @@ def test_two_models_in_one_process_keep_their_own_paths(smollm, spec_bench):
     print(f"torch model beside a kernel model: {len(flips)} of {len(prompts)} outputs differ from its ar")
 
 
-def test_activations_per_256_are_lossless_on_a_real_model():
-    """`act_block=256` on SmolLM2-135M's own GGUF blocks: every method token-identical to `ar`, zero tolerance."""
-    import swiftdecode
-
-    model, tok = swiftdecode.load("smollm2-135m", act_block=256, progress=False)
+def _assert_methods_match_ar(model, tok) -> None:
+    """`swift`, `suffix` and `skip-only` token-identical to `ar` on a prompt that copies and one that does not."""
     prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):", "The capital of"]
     for prompt in prompts:
         want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=48).token_ids
         for method in ("swift", "suffix", "skip-only"):
             got = Generator(model, tok, method=method).generate(prompt, max_new_tokens=48).token_ids
             assert got == want, (method, prompt)
+
+
+def test_activations_per_256_are_lossless_on_a_real_model():
+    """`act_block=256` on SmolLM2-135M's own GGUF blocks: every method token-identical to `ar`, zero tolerance."""
+    import swiftdecode
+
+    model, tok = swiftdecode.load("smollm2-135m", act_block=256, progress=False)
+    _assert_methods_match_ar(model, tok)
 
 
 def test_the_amx_build_is_lossless_on_a_real_model(smollm):
@@ -274,9 +279,4 @@ def test_real_weights_in_iq4_nl_q3_k_and_q2_k_are_lossless():
             assert np.linalg.norm(back - w) < error * np.linalg.norm(w), (name, kind)
             new = QuantWeight.from_gguf(kind, blocks, *w.shape)
             setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
-    prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib(n):", "The capital of"]
-    for prompt in prompts:
-        want = Generator(model, tok, method="ar").generate(prompt, max_new_tokens=48).token_ids
-        for method in ("swift", "suffix", "skip-only"):
-            got = Generator(model, tok, method=method).generate(prompt, max_new_tokens=48).token_ids
-            assert got == want, (method, prompt)
+    _assert_methods_match_ar(model, tok)
