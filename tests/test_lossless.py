@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import pick_prompts
+from gguf.quants import IQ4_NL
 
 from swiftdecode import Generator
 
@@ -201,7 +202,7 @@ def test_the_amx_build_is_lossless_on_a_real_model(smollm):
         assert Generator(model, tok, method=method).generate(prompt, max_new_tokens=24).token_ids == want, method
 
 
-IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]  # ggml's kvalues_iq4nl
+IQ4_VALUES = IQ4_NL.kvalues  # ggml's kvalues_iq4nl, as gguf's reference dequantization holds them
 
 
 def iq4_nl_blocks(w: np.ndarray) -> np.ndarray:

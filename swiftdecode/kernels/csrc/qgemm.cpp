@@ -72,6 +72,7 @@ struct QX {  // quantized input rows
   const float* d;       // [M, K/32]
   const int32_t* noff16;  // [M, K/16] -32 * (sum of each 16 values' q): Q6_K's offset term per 16 values
   const float* ds;      // [M, K/32] d * (float)(sum of the block's q): the min terms' factor, formed once per row
+  const float* ds16;    // [M, K/16] the same per 16 values: Q2_K's per-16 min terms' factor
   const int32_t* noff;  // [OFF_PLANES, M, K/32] -OFFSETS[i] * (sum of the block's q): an offset format's term
   int64_t K, M;
 };
@@ -455,13 +456,6 @@ struct BlockScales {
   vf a0, a1, b0, b1;
 };
 
-// Input row m's sum of q over 16 values h (in the units of the min terms: times d per 32), from the per-16 offset
-// term -OFF16 * sum (exact), for Q2_K's per-16 mins.
-static inline float sum16(const QX& x, int64_t m, int64_t h) {
-  const float s = (float)(x.noff16[m * (x.K / 16) + h] / -OFF16);
-  return ACT_BLOCKS == 1 ? x.d[m * (x.K / 32) + h / 2] * s : s;
-}
-
 // acc += input row m's float contribution of 32-block `blk`, from its exact integer sums s (begun from
 // block_init's terms) and the block's scales. With per-32 activation scales the scale product a * dx is formed
 // per row and block; with per-group scales (ACT_BLOCKS > 1) acc is the group's sum in the units of its scale,
@@ -479,8 +473,8 @@ __attribute__((always_inline)) static inline void scale_block(const QX& x, int64
   acc = ffma(a0, cvt(s[0]), acc);
   if (Fmt<F>::sub16) acc = ffma(a1, cvt(s[1]), acc);
   if (Fmt<F>::sub16 && Fmt<F>::mins) {  // Q2_K: each 16 values' min term
-    acc = ffnma(k.b0, fset(sum16(x, m, 2 * blk)), acc);
-    acc = ffnma(k.b1, fset(sum16(x, m, 2 * blk + 1)), acc);
+    acc = ffnma(k.b0, fset(x.ds16[m * 2 * nb + 2 * blk]), acc);
+    acc = ffnma(k.b1, fset(x.ds16[m * 2 * nb + 2 * blk + 1]), acc);
   } else if (Fmt<F>::mins) {
     const vf fsx = fset(x.ds[m * nb + blk]);  // the block's sum of q (times d per 32), a broadcast from memory
     acc = Fmt<F>::kq ? ffnma(k.b0, fsx, acc) : ffma(k.b0, fsx, acc);
@@ -632,15 +626,15 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
   with_format(fmt, [&](auto f) { tile_all_rows<decltype(f)::value>(w, x, bias, y, t, M, ts); });
 }
 
-// 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32] (at row m of
-// each), and its offset terms noff [OFF_PLANES, M, K/32], in groups of ACT_BLOCKS blocks sharing one scale (b0 a
+// 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32], ds16 [K/16]
+// (at row m of each), and its offset terms noff [OFF_PLANES, M, K/32], in groups of ACT_BLOCKS blocks sharing one scale (b0 a
 // group's first block). Lane-wise float operations only (|x| and max are exact, then one multiply and a round to
 // nearest even per value), so every build returns the same codes as the scalar definition: per group,
 // amax = max |x_i| (NaN values skipped), d = amax / 127, q_i = (int8_t)nearbyint(x_i * (1 / d)); every block of
-// the group stores d; ds = d * (float)(the block's sum of q) per 32, the exact (float)sum with groups;
-// noff16 = -OFF16 * the sums of each 16 values' int32 codes.
-static void quantize_blocks(const float* x, int8_t* q, float* d, int32_t* noff16, float* ds, int32_t* noff,
-                            int64_t m, int64_t b0, int64_t b1, int64_t M, int64_t K) {
+// the group stores d; ds = d * (float)(the block's sum of q) per 32, the exact (float)sum with groups, and ds16
+// the same of each 16 values; noff16 = -OFF16 * the sums of each 16 values' int32 codes.
+static void quantize_blocks(const float* x, int8_t* q, float* d, int32_t* noff16, float* ds, float* ds16,
+                            int32_t* noff, int64_t m, int64_t b0, int64_t b1, int64_t M, int64_t K) {
   for (int64_t g0 = b0; g0 < b1; g0 += ACT_BLOCKS) {
     const int64_t g1 = std::min(b1, g0 + ACT_BLOCKS);
     vf mx = fzero();
@@ -659,6 +653,8 @@ static void quantize_blocks(const float* x, int8_t* q, float* d, int32_t* noff16
 #endif
       d[m * (K / 32) + b] = db;
       ds[m * (K / 32) + b] = ACT_BLOCKS == 1 ? db * (float)(s0 + s1) : (float)(s0 + s1);
+      ds16[m * (K / 16) + 2 * b] = ACT_BLOCKS == 1 ? db * (float)s0 : (float)s0;
+      ds16[m * (K / 16) + 2 * b + 1] = ACT_BLOCKS == 1 ? db * (float)s1 : (float)s1;
       for (int i = 0; i < OFF_PLANES; i++) noff[(i * M + m) * (K / 32) + b] = -OFFSETS[i] * (s0 + s1);
       noff16[m * (K / 16) + 2 * b] = -OFF16 * s0;
       noff16[m * (K / 16) + 2 * b + 1] = -OFF16 * s1;
@@ -689,8 +685,9 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   std::unique_ptr<float[]> d(new float[M * K / 32]);
   std::unique_ptr<int32_t[]> noff16(new int32_t[M * K / 16]);
   std::unique_ptr<float[]> ds(new float[M * K / 32]);
+  std::unique_ptr<float[]> ds16(new float[M * K / 16]);
   std::unique_ptr<int32_t[]> noff(new int32_t[OFF_PLANES * M * K / 32]);
-  const QX x = {q.get(), d.get(), noff16.get(), ds.get(), noff.get(), K, M};
+  const QX x = {q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), K, M};
   QW w[MAX_WEIGHTS];
   int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
   for (int i = 0; i < nw; i++) {
@@ -704,7 +701,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * parts; i++) {  // (row, run of QUANT_BLOCKS blocks): one row is shared too
       const int64_t m = i / parts, b0 = i % parts * QUANT_BLOCKS, b1 = std::min(nb, b0 + QUANT_BLOCKS);
-      quantize_blocks(xf, q.get(), d.get(), noff16.get(), ds.get(), noff.get(), m, b0, b1, M, K);
+      quantize_blocks(xf, q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), m, b0, b1, M, K);
     }
     TileScratch* ts = nullptr;  // this thread's tiles, where it runs them
 #if defined(SD_AMX)
@@ -738,13 +735,13 @@ template <int F>
 static double loop_rate(int64_t reps, int seed, float* sink) {
   constexpr int64_t K = LOOP_BLOCKS * 32, nb = LOOP_BLOCKS;
   int8_t q[LOOP_ROWS * K];
-  float d[LOOP_ROWS * nb], ds[LOOP_ROWS * nb];
+  float d[LOOP_ROWS * nb], ds[LOOP_ROWS * nb], ds16[LOOP_ROWS * K / 16];
   int32_t noff16[LOOP_ROWS * K / 16], noff[OFF_PLANES * LOOP_ROWS * nb];
   for (int64_t i = 0; i < LOOP_ROWS * K; i++) q[i] = (int8_t)(i * 7 + seed);
   for (int64_t i = 0; i < LOOP_ROWS * nb; i++) d[i] = ds[i] = 1e-3f * (float)(i + 1);
-  for (int64_t i = 0; i < LOOP_ROWS * K / 16; i++) noff16[i] = -(int32_t)i;
+  for (int64_t i = 0; i < LOOP_ROWS * K / 16; i++) noff16[i] = -(int32_t)i, ds16[i] = 1e-3f * (float)(i + 1);
   for (int64_t i = 0; i < OFF_PLANES * LOOP_ROWS * nb; i++) noff[i] = -(int32_t)i;
-  const QX x = {q, d, noff16, ds, noff, K, LOOP_ROWS};
+  const QX x = {q, d, noff16, ds, ds16, noff, K, LOOP_ROWS};
   vi u[8], uh[8];
   for (int g = 0; g < 8; g++) u[g] = uh[g] = set8((seed + g) & 15);
   const BlockScales k = {fset(0.5f), fset(0.25f), fset(0.125f), fset(0.0625f)};
