@@ -19,6 +19,8 @@ MEAN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.25  # |ours - HF|, mean and max, over th
 CLEAR_MARGIN = 0.1  # positions whose HF top token leads the next by this (x std) must pick it here too
 # On the same float32 weights only the order of float operations differs: measured max 4e-6 to 7e-6 of the spread.
 FLOAT_TOLERANCE = 1e-4  # |ours - HF| max over the logits' standard deviation, lean loop on float32 weights
+# F16/BF16 files on the native loop: float inputs too, but keys and values cached in fp16 (measured max: 1.3e-3, 1.5e-3)
+HALF_KV_TOLERANCE = 5e-3
 F32 = torch.float32
 
 
@@ -313,6 +315,31 @@ def test_low_bit_formats_run_natively_close_to_transformers(fmt, tmp_path):
     _assert_methods_match_ar(model, tok, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_float_files_run_natively_at_float_precision(fmt, tmp_path):
+    """F16 and BF16 files (every matrix 16-bit, as convert_hf_to_gguf.py writes them) keep their values at 2 bytes
+    on the native loop; with float32 inputs (no int8 activations) the forward is far closer to transformers'
+    float32 one than on block formats (the fp16 KV cache is the difference), and the invariants hold as there."""
+    import swiftdecode
+    from swiftdecode.hub import locate_gguf
+    from swiftdecode.hub.synth import write
+    from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
+
+    tokenizer = locate_gguf("smollm2-135m", progress=False)[0]
+    path = write("tiny-llama3", tmp_path / f"{fmt}.gguf", fmt, tokenizer_from=tokenizer)
+    model, tok = swiftdecode.load(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
+    kinds = {m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)}
+    assert kinds == {fmt.upper()}, kinds
+    sm, ids = SwiftModel(model), list(range(300, 340))
+    assert sm.layer_loop() == "native"
+    with torch.inference_mode():
+        ours = sm.logits(sm.prefill(ids, SwiftCache(sm.n_layers)))
+    ref = hf_logits(locate_gguf(str(path), cache_dir=str(tmp_path / "cache"), progress=False)[1], path, ids)
+    assert (ours - ref).abs().max() < HALF_KV_TOLERANCE * ref.std(), (fmt, (ours - ref).abs().max() / ref.std())
+    _assert_chain_is_one_row_forwards(sm, fmt)
+    _assert_methods_match_ar(model, tok, fmt)
+
+
 def test_tensors_without_a_kernel_are_named_at_load(tmp_path, monkeypatch, capsys):
     """A file's matrices of a type the kernel lacks are dequantized to float32, and the load says which and what
     that costs (here Q6_K taken out of the kernel's formats: a tiny Q4_K_M file's embedding and its Q6_K layers)."""
@@ -320,11 +347,14 @@ def test_tensors_without_a_kernel_are_named_at_load(tmp_path, monkeypatch, capsy
     from swiftdecode.apps.doctor import weight_format
     from swiftdecode.hub import locate_gguf
     from swiftdecode.hub.synth import write
+    from swiftdecode.kernels import qweight
     from swiftdecode.kernels.gguf_index import read_index
     from swiftdecode.runtime import quantized
 
     path = write("tiny-llama3", tmp_path / "m.gguf", tokenizer_from=locate_gguf("smollm2-135m", progress=False)[0])
-    monkeypatch.setattr(quantized, "FORMATS", {k: v for k, v in quantized.FORMATS.items() if k != "Q6_K"})
+    without = {k: v for k, v in quantized.FORMATS.items() if k != "Q6_K"}
+    monkeypatch.setattr(quantized, "FORMATS", without)  # the load's message
+    monkeypatch.setattr(qweight, "FORMATS", without)  # what the kernel takes
     model, tok = swiftdecode.load(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
     err = capsys.readouterr().err
     six = [t for t in read_index(path)[1] if t.tensor_type.name == "Q6_K"]  # embedding, some attn_v and ffn_down

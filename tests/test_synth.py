@@ -15,6 +15,7 @@ from swiftdecode.apps.cli import main
 from swiftdecode.base.errors import UserError
 from swiftdecode.hub.shapes import SHAPES
 from swiftdecode.hub.synth import (
+    FLOATS,
     LAYOUTS,
     WEIGHT_RMS,
     estimate_size,
@@ -106,7 +107,7 @@ def test_transformers_loads_tiny_files_and_gives_finite_logits(name, tiny_files,
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("qtype", list(LAYOUTS))
+@pytest.mark.parametrize("qtype", [*LAYOUTS, *FLOATS])
 def test_random_blocks_dequantize_to_small_finite_weights(qtype):
     weights = dequantize(random_blocks(np.random.default_rng(0), qtype, 256 * 1024), qtype)
     assert weights.size == 256 * 1024 and np.isfinite(weights).all()
@@ -158,6 +159,8 @@ def test_the_other_mixes_follow_llama_cpps_recipes():
         Q.Q3_K,
     )
     assert q2["blk.5.attn_q.weight"] == q2["token_embd.weight"] == Q.Q2_K and q2["output.weight"] == Q.Q6_K
+    for fmt, qtype in (("f16", Q.F16), ("bf16", Q.BF16)):  # unquantized: every matrix, embedding and output too
+        assert {t.qtype for t in tensor_plan(SHAPES["llama-3.1-8b"], fmt, 128256)} == {Q.F32, qtype}
 
 
 def test_published_shapes_have_their_parameter_counts():

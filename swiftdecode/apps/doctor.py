@@ -100,18 +100,18 @@ def weight_bytes(model) -> int:
 
 def weight_format(model) -> str:
     """How the matmul weights are held: the GGUF block formats of the quantized path, or the float dtype."""
-    from collections import Counter
-
     import torch
 
     from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
+    from swiftdecode.kernels.qweight import FLOAT_KINDS
 
     kinds = Counter(m.qweight.kind for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
     if not kinds:
         return f"{next(model.parameters()).dtype} (dequantised)".replace("torch.", "")
     floats = sum(isinstance(m, torch.nn.Linear) for m in model.modules())  # GGUF types without a kernel
     dequantized = f", float32 x{floats} (GGUF types without a kernel, dequantized)" if floats else ""
-    return "quantized " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + dequantized
+    label = "unquantized " if kinds.keys() <= FLOAT_KINDS else "quantized "
+    return label + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + dequantized
 
 
 AMX_USABLE = "usable here: --fast-path skinny-amx runs the quantized products on tiles (not yet the default)"

@@ -54,7 +54,10 @@ FORMATS = {  # fewest bits first
     "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
     "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),  # unquantized (convert_hf_to_gguf.py --outtype): every matrix
+    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
 }
+FLOATS = (Q.F16, Q.BF16)
 # llama.cpp's types for rows that 256-element blocks do not divide
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}
 WEIGHT_RMS = 0.02  # dequantized weights' RMS, as a trained model's init: a forward stays finite through 30+ layers
@@ -119,6 +122,8 @@ def block_type(s: Shape, kind: MODEL_TENSOR, shape: tuple[int, ...], fmt: str, l
     if len(shape) == 1:
         return Q.F32
     base, cols = FORMATS[fmt][0], shape[1]
+    if base in FLOATS:
+        return base
     if kind == T.OUTPUT or (s.tied and kind == T.TOKEN_EMBD):  # the output projection: Q6_K unless Q8_0 anyway
         return Q.Q8_0 if cols % GGML_QUANT_SIZES[base][0] or base == Q.Q8_0 else Q.Q6_K
     qtype = _mixed_type(s, kind, fmt, layer) or base
@@ -200,7 +205,12 @@ def estimate_size(s: Shape, fmt: str, vocab: int | None = None) -> int:
 
 
 def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.ndarray:
-    """[n_blocks, block bytes] uint8: random bytes, each fp16 scale set so the weights' RMS is `WEIGHT_RMS`."""
+    """[n_blocks, block bytes] uint8: random bytes, each fp16 scale set so the weights' RMS is `WEIGHT_RMS` (float
+    types: normal values of that RMS)."""
+    if qtype in FLOATS:  # N(0, WEIGHT_RMS) values, rounded to fp16 or cut to bf16
+        v = rng.normal(0.0, WEIGHT_RMS, n_elements).astype(np.float32)
+        bits = v.astype(np.float16).view(np.uint16) if qtype == Q.F16 else (v.view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8).reshape(-1, 2)
     block, size = GGML_QUANT_SIZES[qtype]
     n = n_elements // block * size
     data = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(-1, size)

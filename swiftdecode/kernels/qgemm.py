@@ -131,7 +131,8 @@ class QKernel:
     def loop_macs(self, fmt: int, threads: int, reps: int = LOOP_REPS, tries: int = 5) -> float:
         """Multiply-accumulates per second of the products' inner step alone for weight format `fmt`: 8 rows'
         integer dot products and float scaling of a 32-block, codes already unpacked, inputs in L1 (csrc
-        sd_loop_macs), best of `tries`: what many-row products could reach if unpacking and streaming were free."""
+        sd_loop_macs), best of `tries`: what many-row products could reach if unpacking and streaming were free
+        (0 for F16/BF16, which have no integer step)."""
         sink = ctypes.c_float(0.0)
         return self._loop(fmt, reps, threads, tries, ctypes.byref(sink))
 

@@ -3,7 +3,8 @@
 `QuantWeight.from_gguf(type, blocks, n, k)` decodes a GGUF tensor's blocks into the kernel's planes: the same
 codes, scales and mins (same bit widths, fp16 scales as stored), with rows interleaved in tiles of 16 lanes so
 one vector load feeds 16 output rows. Memory is the GGUF tensor's size (K-quant 6-bit scales take a byte each:
-+2.8% for Q4_K, +3.6% for Q3_K); nothing is expanded to float32.
++2.8% for Q4_K, +3.6% for Q3_K); nothing is expanded to float32. F16 and BF16 tensors keep their 16-bit values,
+as the `d` plane alone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 LANES = 16  # output rows per tile (csrc LANES)
 
-# GGUF type name -> (kernel format id, low-code plane width (2, 4, or 8: whole-byte codes), high-bit plane width
-# (0-2), values per block). The IQ4 formats keep their 4-bit codebook indices; the kernel maps them.
+# GGUF type name -> (kernel format id, low-code plane width (2, 4, or 8: whole-byte codes; 16: float values, no
+# codes), high-bit plane width (0-2), values per block). The IQ4 formats keep their 4-bit codebook indices; the
+# kernel maps them.
 FORMATS = {
     "Q4_0": (0, 4, 0, 32),
     "Q4_1": (1, 4, 0, 32),
@@ -31,7 +33,11 @@ FORMATS = {
     "IQ4_NL": (9, 4, 0, 32),
     "IQ4_XS": (10, 4, 0, 256),
     "Q2_K": (11, 2, 0, 256),
+    "F16": (12, 16, 0, 1),
+    "BF16": (13, 16, 0, 1),
 }
+FLOAT_BITS = 16  # FORMATS' low-plane width of the float formats
+FLOAT_KINDS = frozenset(kind for kind, (_, lo, _, _) in FORMATS.items() if lo == FLOAT_BITS)
 PLANES = ("lo", "hi", "d", "d2", "sc", "mn")
 LAYOUT_VERSION = 1  # of the planes (_planes, csrc/qgemm.cpp): change it with them, so no cached layout reads stale
 CHUNK_ROWS = 4096  # rows decoded at a time at load (a multiple of LANES): bounds the load's transient memory
@@ -173,8 +179,10 @@ def _scale_plane(a: np.ndarray, t: int) -> np.ndarray:
 
 def _planes(kind: str, blocks: np.ndarray, lo: int, hb: int) -> dict[str, np.ndarray]:
     """Blocks of some rows [rows, nblk, bytes] -> their kernel planes, tiles first (rows padded to 16)."""
-    f = _decode(kind, blocks)
     t = -(-blocks.shape[0] // LANES)
+    if lo == FLOAT_BITS:  # [rows, K, 2] bytes of 16-bit values -> d [T, K, 16]
+        return {"d": _scale_plane(np.ascontiguousarray(blocks).view(np.uint16)[..., 0], t)}
+    f = _decode(kind, blocks)
     u = f.pop("u")
     if lo == 8:
         planes = {"lo": _byte_plane(u, t)}
@@ -187,6 +195,11 @@ def _planes(kind: str, blocks: np.ndarray, lo: int, hb: int) -> dict[str, np.nda
     return planes
 
 
+def kernel_takes(kind: str, k: int) -> bool:
+    """Whether the kernel computes from a GGUF tensor of type `kind` with rows of k values (whole 32-blocks)."""
+    return kind in FORMATS and k % FORMATS[kind][3] == 0 and k % 32 == 0
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A [n, k] weight in kernel planes (uint8 / fp16-bits torch tensors; None where the format has none)."""
@@ -194,7 +207,7 @@ class QuantWeight:
     kind: str
     n: int
     k: int
-    lo: torch.Tensor
+    lo: torch.Tensor | None
     hi: torch.Tensor | None
     d: torch.Tensor
     d2: torch.Tensor | None
@@ -204,6 +217,11 @@ class QuantWeight:
     @property
     def fmt(self) -> int:
         return FORMATS[self.kind][0]
+
+    @property
+    def floats(self) -> bool:
+        """16-bit float values (F16, BF16): products take the input as fp32, not as int8 codes."""
+        return self.kind in FLOAT_KINDS
 
     @property
     def nbytes(self) -> int:
@@ -219,8 +237,8 @@ class QuantWeight:
         if kind not in FORMATS:
             raise ValueError(f"GGUF type {kind} has no quantized kernel (supported: {', '.join(FORMATS)})")
         _, lo, hb, block = FORMATS[kind]
-        if k % block or k % 32:
-            raise ValueError(f"{kind} weight with k={k} not a multiple of {block}")
+        if not kernel_takes(kind, k):
+            raise ValueError(f"{kind} weight with k={k} not a multiple of {max(block, 32)}")
         read = getattr(data, "read", None)
         if rows is not None or read is None:
             whole = np.asarray(data if read is None else read(), dtype=np.uint8)

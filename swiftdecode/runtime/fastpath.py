@@ -257,7 +257,10 @@ def _patch(model: nn.Module, mode: str) -> FastPathInfo:
     if quant:  # the path is named for the quantized kernel's build (its fp32 kernels may be another's)
         qk = next(m.kernel for m in model.modules() if isinstance(m, QuantLinear))
         isa = qk.isa
-        reason = f"{isa} batch-invariant quantized GEMM ({quant} layers, int8 activations per {qk.act})" + (
+        floats = sum(isinstance(m, QuantLinear) and m.qweight.floats for m in model.modules())
+        acts = "fp32 inputs" if floats == quant else f"int8 activations per {qk.act}"
+        acts += f"; {floats} of them 16-bit floats on fp32 inputs" if 0 < floats < quant else ""
+        reason = f"{isa} batch-invariant quantized GEMM ({quant} layers, {acts})" + (
             f" + fp32 skinny GEMM ({n} layers)" if n else ""
         )
     config = getattr(model, "config", None)

@@ -24,7 +24,7 @@ from swiftdecode.kernels.gguf_index import TensorInfo, read_index
 from swiftdecode.kernels.layout_cache import LAYOUT_FILE, LayoutWriter, layout_key, read_layout
 from swiftdecode.kernels.modules import QuantEmbedding, QuantLinear
 from swiftdecode.kernels.qgemm import QKernel
-from swiftdecode.kernels.qweight import FORMATS, QuantWeight
+from swiftdecode.kernels.qweight import FORMATS, QuantWeight, kernel_takes
 
 LAYOUT_CACHE_ENV = "SWIFTDECODE_LAYOUT_CACHE"  # "0": lay the weights out at every load, never read or write a cache
 
@@ -128,7 +128,8 @@ def _split(model: nn.Module, tensors: list[TensorInfo], names: dict[str, str]):
             continue
         path, _, pname = hf.rpartition(".")
         module = model.get_submodule(path)
-        if t.tensor_type.name in FORMATS and pname == "weight" and isinstance(module, nn.Linear | nn.Embedding):
+        kernel = kernel_takes(t.tensor_type.name, int(t.shape[0]))
+        if kernel and pname == "weight" and isinstance(module, nn.Linear | nn.Embedding):
             quantized.append((t, path, module))
         else:
             rest.append((t, path, pname))
@@ -136,9 +137,9 @@ def _split(model: nn.Module, tensors: list[TensorInfo], names: dict[str, str]):
 
 
 def _say_dequantized(gguf: Path, model: nn.Module, rest: list[tuple[TensorInfo, str, str]]) -> None:
-    """One stderr line where matrix weights of the file have no kernel (types outside FORMATS, F16/BF16): they are
-    dequantized to float32 and multiplied by torch, at 4 bytes a value (a file of such types takes a multiple of its
-    size in memory)."""
+    """One stderr line where matrix weights of the file have no kernel (types outside FORMATS, such as IQ1-IQ3, or
+    rows not in whole 32-blocks): they are dequantized to float32 and multiplied by torch, at 4 bytes a value (a
+    file of such types takes a multiple of its size in memory)."""
     from collections import Counter
 
     matrices = [

@@ -32,6 +32,7 @@
 //   F_Q2_K                  y = d sc u - dmin mn, per 16 values  d, dmin [T, K/256, 16]; sc | mn << 4 u8 [T, K/16, 16]
 //   F_IQ4_NL                y = d (v[u] - 128)                   d [T, K/32, 16]
 //   F_IQ4_XS                y = d sc (v[u] - 128)                d [T, K/256, 16]; sc i8 [T, K/32, 16]
+//   F_F16, F_BF16           y = the value itself                 d [T, K, 16] (fp16 or bf16 bits), no other plane
 // Q3_K's 3-bit codes keep their low 2 bits in a 2-bit `lo` plane (the layout of hb=2's high plane: 2 loads,
 // bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane; Q2_K's the 2-bit plane. The IQ4 formats keep
 // 4-bit indices in `lo`; unpacking maps them through their codebook v (IQ4_CODES + 128) to 8-bit codes.
@@ -49,7 +50,8 @@
 #include "split.h"
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q5_0 = 2, F_Q5_1 = 3, F_Q8_0 = 4, F_Q4_K = 5, F_Q5_K = 6, F_Q6_K = 7, F_Q3_K = 8,
-       F_IQ4_NL = 9, F_IQ4_XS = 10, F_Q2_K = 11 };
+       F_IQ4_NL = 9, F_IQ4_XS = 10, F_Q2_K = 11, F_F16 = 12, F_BF16 = 13 };
+static inline bool float_format(int fmt) { return fmt == F_F16 || fmt == F_BF16; }  // csrc/qgemm_float.h
 #ifndef SD_ACT_BLOCKS
 #define SD_ACT_BLOCKS 1
 #endif
@@ -75,6 +77,7 @@ struct QX {  // quantized input rows
   const float* ds16;    // [M, K/16] the same per 16 values: Q2_K's per-16 min terms' factor
   const int32_t* noff;  // [OFF_PLANES, M, K/32] -OFFSETS[i] * (sum of the block's q): an offset format's term
   int64_t K, M;
+  const float* xf;      // [M, K] the rows as given (the float formats' products read them)
 };
 
 // hb: high-bit plane width (8: whole-byte codes in `lo`, no high plane); lo2: 2-bit low codes (else 4-bit);
@@ -621,8 +624,11 @@ static void tile_all_rows(const QW& w, const QX& x, const float* bias, float* y,
   for (int64_t m = 0; m < M; m += RMAX) tile_rows<F, 0>(w, x, bias, y, t, m, (int)(M - m < RMAX ? M - m : RMAX));
 }
 
+#include "qgemm_float.h"
+
 static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float* y, int64_t t, int64_t M,
                      TileScratch* ts) {
+  if (float_format(fmt)) return float_tile(fmt == F_BF16, w, x.xf, bias, y, t, M);
   with_format(fmt, [&](auto f) { tile_all_rows<decltype(f)::value>(w, x, bias, y, t, M, ts); });
 }
 
@@ -687,7 +693,7 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   std::unique_ptr<float[]> ds(new float[M * K / 32]);
   std::unique_ptr<float[]> ds16(new float[M * K / 16]);
   std::unique_ptr<int32_t[]> noff(new int32_t[OFF_PLANES * M * K / 32]);
-  const QX x = {q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), K, M};
+  const QX x = {q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), K, M, xf};
   QW w[MAX_WEIGHTS];
   int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
   for (int i = 0; i < nw; i++) {
@@ -832,6 +838,10 @@ static void dequant_row(const QWDesc* wd, int64_t n, float* out) {
 // handful of rows per call.
 extern "C" void SD_EXPORT(sd_dequant_rows, SD_ISA)(const QWDesc* wd, const int64_t* rows, int64_t nrows,
                                                  float* out) {
+  if (float_format((int)wd->fmt)) {
+    for (int64_t r = 0; r < nrows; r++) float_row(wd->fmt == F_BF16, wd, rows[r], out + r * wd->K);
+    return;
+  }
   with_format((int)wd->fmt, [&](auto f) {
     for (int64_t r = 0; r < nrows; r++) dequant_row<decltype(f)::value>(wd, rows[r], out + r * wd->K);
   });
