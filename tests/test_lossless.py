@@ -281,3 +281,27 @@ def test_real_weights_in_iq4_nl_q3_k_and_q2_k_are_lossless():
             new = QuantWeight.from_gguf(kind, blocks, *w.shape)
             setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
     _assert_methods_match_ar(model, tok)
+
+
+def test_real_weights_in_f16_and_bf16_are_lossless():
+    """SmolLM2-135M's real weights as an unquantized file holds them: every projection as F16 values in even
+    layers and BF16 in odd ones (the float32 inputs are not quantized on these); every method is token-identical
+    to `ar` on them, zero tolerance."""
+    import swiftdecode
+    from swiftdecode.kernels.modules import QuantLinear
+    from swiftdecode.kernels.qweight import QuantWeight
+
+    model, tok = swiftdecode.load("smollm2-135m", progress=False)
+    for i, layer in enumerate(model.model.layers):
+        for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            (layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        ]:
+            old = getattr(parent, name)
+            w = old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
+            kind = "BF16" if i % 2 else "F16"
+            bits = (w.view(np.uint32) >> 16).astype(np.uint16) if i % 2 else w.astype(np.float16).view(np.uint16)
+            new = QuantWeight.from_gguf(kind, bits.view(np.uint8), *w.shape)
+            back = old.kernel.rows(new, torch.arange(new.n)).numpy()
+            assert np.linalg.norm(back - w) < (1e-2 if i % 2 else 1e-3) * np.linalg.norm(w), (name, kind)
+            setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
+    _assert_methods_match_ar(model, tok)
