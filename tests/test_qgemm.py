@@ -212,17 +212,20 @@ def test_quantized_model_keeps_weights_quantized(smollm):
 
 
 def test_one_call_for_several_weights_equals_separate_calls():
-    """q/k/v (or gate/up) in one call: x quantized once, tiles of all weights in one pass, same bits."""
+    """q/k/v (or gate/up) in one call: x quantized once, tiles of all weights in one pass, same bits (a float
+    weight among them reads x as it is; a call of float weights alone quantizes nothing)."""
     k = 256
     ws = [
         QuantWeight.from_gguf(kind, random_blocks(kind, n, k, seed), n, k)
-        for seed, (kind, n) in enumerate([("Q5_0", 48), ("Q8_0", 16), ("Q4_K", 40)])
+        for seed, (kind, n) in enumerate([("Q5_0", 48), ("Q8_0", 16), ("Q4_K", 40), ("BF16", 24), ("F16", 8)])
     ]
-    biases = [torch.randn(48), None, torch.randn(40)]
+    biases = [torch.randn(48), None, torch.randn(40), torch.randn(24), None]
     x = torch.randn(5, k)
     for kern in kernels():
-        many = kern.linear_many(x, ws, biases)
-        assert all(torch.equal(y, kern.linear(x, w, b)) for y, w, b in zip(many, ws, biases, strict=True))
+        for group in (slice(0, 5), slice(3, 5)):
+            many = kern.linear_many(x, ws[group], biases[group])
+            singles = [kern.linear(x, w, b) for w, b in zip(ws[group], biases[group], strict=True)]
+            assert all(torch.equal(y, one) for y, one in zip(many, singles, strict=True)), (kern.isa, group)
 
 
 def test_quant_linear_uses_a_bias_set_after_construction():

@@ -696,16 +696,18 @@ extern "C" void SD_EXPORT(sd_qlinear, SD_ISA)(const QWDesc* const* wds, const fl
   const QX x = {q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), K, M, xf};
   QW w[MAX_WEIGHTS];
   int64_t first[MAX_WEIGHTS + 1] = {0};  // first global tile of each weight
+  int64_t quantized_rows = 0;              // M where some weight takes int8 codes (F16/BF16 read xf as it is)
   for (int i = 0; i < nw; i++) {
     const QWDesc* wd = wds[i];
     w[i] = {wd->lo, wd->hi, wd->d, wd->d2, wd->sc, wd->mn, wd->N, K};
     first[i + 1] = first[i] + (wd->N + LANES - 1) / LANES;
+    if (!float_format((int)wd->fmt)) quantized_rows = M;
   }
   WorkSplit split(nthreads, [&](int t) { return first[nw] * t / nthreads; });  // equal tiles per thread
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * parts; i++) {  // (row, run of QUANT_BLOCKS blocks): one row is shared too
+    for (int64_t i = 0; i < quantized_rows * parts; i++) {  // (row, run of QUANT_BLOCKS blocks): one row shared too
       const int64_t m = i / parts, b0 = i % parts * QUANT_BLOCKS, b1 = std::min(nb, b0 + QUANT_BLOCKS);
       quantize_blocks(xf, q.get(), d.get(), noff16.get(), ds.get(), ds16.get(), noff.get(), m, b0, b1, M, K);
     }
