@@ -254,6 +254,16 @@ def q3_k_blocks(w: np.ndarray) -> np.ndarray:
     return np.concatenate(blocks, 1).reshape(len(w), -1)
 
 
+def _projections(model):
+    """(layer index, projection name, parent module, its QuantLinear, its weight as float32 [n, k]) for each of
+    every layer's seven projections."""
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+        for parent, name in [(layer.self_attn, n) for n in attn] + [(layer.mlp, n) for n in mlp]:
+            old = getattr(parent, name)
+            yield i, name, parent, old, old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
+
+
 def test_real_weights_in_iq4_nl_q3_k_and_q2_k_are_lossless():
     """SmolLM2-135M's real weights requantized: every layer's projections to IQ4_NL, the down projections (the
     only ones 256-value blocks divide) to Q3_K in even layers and Q2_K in odd ones; the blocks decode (gguf's
@@ -267,19 +277,14 @@ def test_real_weights_in_iq4_nl_q3_k_and_q2_k_are_lossless():
 
     model, tok = swiftdecode.load("smollm2-135m", progress=False)
     quantizers = {"IQ4_NL": (iq4_nl_blocks, 0.12), "Q3_K": (q3_k_blocks, 0.25), "Q2_K": (q2_k_blocks, 0.5)}
-    for i, layer in enumerate(model.model.layers):
-        for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            (layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        ]:
-            old = getattr(parent, name)
-            w = old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
-            kind = ("Q2_K" if i % 2 else "Q3_K") if name == "down_proj" else "IQ4_NL"
-            quantize, error = quantizers[kind]
-            blocks = quantize(w)
-            back = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
-            assert np.linalg.norm(back - w) < error * np.linalg.norm(w), (name, kind)
-            new = QuantWeight.from_gguf(kind, blocks, *w.shape)
-            setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
+    for i, name, parent, old, w in _projections(model):
+        kind = ("Q2_K" if i % 2 else "Q3_K") if name == "down_proj" else "IQ4_NL"
+        quantize, error = quantizers[kind]
+        blocks = quantize(w)
+        back = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
+        assert np.linalg.norm(back - w) < error * np.linalg.norm(w), (name, kind)
+        new = QuantWeight.from_gguf(kind, blocks, *w.shape)
+        setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
     _assert_methods_match_ar(model, tok)
 
 
@@ -287,21 +292,19 @@ def test_real_weights_in_f16_and_bf16_are_lossless():
     """SmolLM2-135M's real weights as an unquantized file holds them: every projection as F16 values in even
     layers and BF16 in odd ones (the float32 inputs are not quantized on these); every method is token-identical
     to `ar` on them, zero tolerance."""
+    from gguf import GGMLQuantizationType
+
     import swiftdecode
+    from swiftdecode.hub.synth import float_bits
     from swiftdecode.kernels.modules import QuantLinear
     from swiftdecode.kernels.qweight import QuantWeight
 
     model, tok = swiftdecode.load("smollm2-135m", progress=False)
-    for i, layer in enumerate(model.model.layers):
-        for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            (layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        ]:
-            old = getattr(parent, name)
-            w = old.kernel.rows(old.qweight, torch.arange(old.qweight.n)).numpy()
-            kind = "BF16" if i % 2 else "F16"
-            bits = (w.view(np.uint32) >> 16).astype(np.uint16) if i % 2 else w.astype(np.float16).view(np.uint16)
-            new = QuantWeight.from_gguf(kind, bits.view(np.uint8), *w.shape)
-            back = old.kernel.rows(new, torch.arange(new.n)).numpy()
-            assert np.linalg.norm(back - w) < (1e-2 if i % 2 else 1e-3) * np.linalg.norm(w), (name, kind)
-            setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
+    for i, name, parent, old, w in _projections(model):
+        kind = "BF16" if i % 2 else "F16"
+        bits = float_bits(w, GGMLQuantizationType[kind])
+        new = QuantWeight.from_gguf(kind, bits.view(np.uint8), *w.shape)
+        back = old.kernel.rows(new, torch.arange(new.n)).numpy()
+        assert np.linalg.norm(back - w) < (1e-2 if i % 2 else 1e-3) * np.linalg.norm(w), (name, kind)
+        setattr(parent, name, QuantLinear(new, old.bias, old.kernel))
     _assert_methods_match_ar(model, tok)

@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from swiftdecode.base.config import ACT_BLOCKS, ACT_DEFAULT
+from swiftdecode.hub.synth import float_bits
 from swiftdecode.kernels.build import KernelUnavailable, build, cpu_flags
 from swiftdecode.kernels.qgemm import AMX_EMULATED_FLAGS, ISA_CPU_FLAGS, SOURCES, QKernel, load_qkernel
 from swiftdecode.kernels.qweight import FORMATS, QuantWeight
@@ -81,9 +82,8 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     if kind in FLOATS:
-        v = rng.normal(0, 0.05, (n, k)).astype(np.float32)
-        bits = v.astype(np.float16).view(np.uint16) if kind == "F16" else (v.view(np.uint32) >> 16).astype(np.uint16)
-        return bits.view(np.uint8).reshape(n, -1)
+        values = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+        return float_bits(values, GGMLQuantizationType[kind]).view(np.uint8).reshape(n, -1)
     data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     for off in FP16_SCALES[kind]:
         scales = rng.uniform(1e-3, 1e-2, (n, k // block)).astype(np.float16)

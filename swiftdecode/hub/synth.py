@@ -204,13 +204,22 @@ def estimate_size(s: Shape, fmt: str, vocab: int | None = None) -> int:
     return METADATA_BYTES + TOKENIZER_BYTES_PER_TOKEN * vocab + infos + data
 
 
+def float_bits(values: np.ndarray, qtype: Q) -> np.ndarray:
+    """float32 values -> their 16-bit F16 (rounded to nearest) or BF16 (cut to the high half) bits, uint16."""
+    return (
+        values.astype(np.float16).view(np.uint16)
+        if qtype == Q.F16
+        else (values.view(np.uint32) >> 16).astype(np.uint16)
+    )
+
+
 def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.ndarray:
     """[n_blocks, block bytes] uint8: random bytes, each fp16 scale set so the weights' RMS is `WEIGHT_RMS` (float
     types: normal values of that RMS)."""
-    if qtype in FLOATS:  # N(0, WEIGHT_RMS) values, rounded to fp16 or cut to bf16
-        v = rng.normal(0.0, WEIGHT_RMS, n_elements).astype(np.float32)
-        bits = v.astype(np.float16).view(np.uint16) if qtype == Q.F16 else (v.view(np.uint32) >> 16).astype(np.uint16)
-        return bits.view(np.uint8).reshape(-1, 2)
+    if qtype in FLOATS:  # N(0, WEIGHT_RMS) values
+        return (
+            float_bits(rng.normal(0.0, WEIGHT_RMS, n_elements).astype(np.float32), qtype).view(np.uint8).reshape(-1, 2)
+        )
     block, size = GGML_QUANT_SIZES[qtype]
     n = n_elements // block * size
     data = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(-1, size)

@@ -34,8 +34,9 @@
 //   F_IQ4_XS                y = d sc (v[u] - 128)                d [T, K/256, 16]; sc i8 [T, K/32, 16]
 //   F_F16, F_BF16           y = the value itself                 d [T, K, 16] (fp16 or bf16 bits), no other plane
 // Q3_K's 3-bit codes keep their low 2 bits in a 2-bit `lo` plane (the layout of hb=2's high plane: 2 loads,
-// bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane; Q2_K's the 2-bit plane. The IQ4 formats keep
-// 4-bit indices in `lo`; unpacking maps them through their codebook v (IQ4_CODES + 128) to 8-bit codes.
+// bits 2s of byte t of lane j = value 16p + 4s + t for load p) and bit 2 in an hb=1 plane; Q2_K's codes are the
+// 2-bit plane alone. The IQ4 formats keep 4-bit indices in `lo`; unpacking maps them through their codebook v
+// (IQ4_CODES + 128) to 8-bit codes.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -445,7 +446,8 @@ __attribute__((always_inline)) static inline void block_init(const QX& x, int64_
   const int64_t nb = x.K / 32;
   constexpr int plane = off_plane<F>();
   init[0] = init[1] = izero();
-  if (Fmt<F>::sub16 && Fmt<F>::off) {  // Q6_K, Q3_K: each 16 values' offset term begins their chain (exact: OFF16 / off divides it)
+  if (Fmt<F>::sub16 && Fmt<F>::off) {  // Q6_K, Q3_K: each 16 values' offset term begins their chain (exact:
+                                       // OFF16 / off divides it)
     init[0] = seti(x.noff16[m * 2 * nb + 2 * blk] / (OFF16 / Fmt<F>::off));
     init[1] = seti(x.noff16[m * 2 * nb + 2 * blk + 1] / (OFF16 / Fmt<F>::off));
   } else if (plane >= 0) {  // a whole-block offset term begins the block's chain
@@ -633,8 +635,8 @@ static void run_tile(int fmt, const QW& w, const QX& x, const float* bias, float
 }
 
 // 32-blocks [b0, b1) of row m of x [M, K] fp32 -> q int8 [K], d [K/32], noff16 [K/16], ds [K/32], ds16 [K/16]
-// (at row m of each), and its offset terms noff [OFF_PLANES, M, K/32], in groups of ACT_BLOCKS blocks sharing one scale (b0 a
-// group's first block). Lane-wise float operations only (|x| and max are exact, then one multiply and a round to
+// (at row m of each), and its offset terms noff [OFF_PLANES, M, K/32], in groups of ACT_BLOCKS blocks sharing one
+// scale (b0 a group's first block). Lane-wise float operations only (|x| and max are exact, then one multiply and a round to
 // nearest even per value), so every build returns the same codes as the scalar definition: per group,
 // amax = max |x_i| (NaN values skipped), d = amax / 127, q_i = (int8_t)nearbyint(x_i * (1 / d)); every block of
 // the group stores d; ds = d * (float)(the block's sum of q) per 32, the exact (float)sum with groups, and ds16
